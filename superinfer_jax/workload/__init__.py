@@ -1,0 +1,25 @@
+"""Workloads: datasets (ShareGPT, LMSYS-style JSONL, SuperInfer/LTR traces, synthetic) and arrivals.
+
+Numpy and the standard library only (no JAX). Typical use::
+
+  from superinfer_jax import workload as wl
+  w = wl.load_dataset("sharegpt", tokenizer, num_requests=200, seed=0, max_total_len=2048)
+  w = w.with_arrivals(wl.poisson_arrivals(len(w), rps=4.0, seed=42))
+  # or, in one call (dataset "sharegpt" | "synthetic" | a path):
+  w = wl.make_workload("sharegpt", tokenizer, num_requests=200, rps=4.0, seed=0, max_total_len=2048)
+"""
+from superinfer_jax.workload.arrivals import (CONVENTIONS, SUPERINFER, VLLM, arrival_times,
+                                              gamma_arrivals, gamma_shape_scale, poisson_arrivals)
+from superinfer_jax.workload.builder import make_workload
+from superinfer_jax.workload.datasets import (PromptPair, TruncatedFileInfo, build_workload,
+                                              dataset_pairs, detect_format, iter_json_array,
+                                              load_dataset, lmsys_pairs, sharegpt_pairs, trace_pairs)
+from superinfer_jax.workload.synthetic import LengthDist, synthetic_workload
+from superinfer_jax.workload.types import RequestSpec, Workload, encode_text, filter_requests
+
+__all__ = [
+    "CONVENTIONS", "SUPERINFER", "VLLM", "arrival_times", "gamma_arrivals", "gamma_shape_scale",
+    "poisson_arrivals", "PromptPair", "TruncatedFileInfo", "build_workload", "dataset_pairs",
+    "detect_format", "iter_json_array", "load_dataset", "lmsys_pairs", "sharegpt_pairs", "trace_pairs",
+    "LengthDist", "synthetic_workload", "make_workload", "RequestSpec", "Workload", "encode_text", "filter_requests",
+]

@@ -1,0 +1,185 @@
+"""Request and workload types shared by the engine, the simulator and the HTTP load client.
+
+A ``RequestSpec`` is what a load generator submits: a prompt, the number of output tokens to generate and
+the arrival time (seconds from the start of the run). A ``Workload`` is an ordered, immutable list of them.
+
+Invariants (checked in ``RequestSpec.__post_init__``):
+  * ``prompt_len >= 1`` and ``output_len >= 1`` (tokens);
+  * ``prompt_token_ids`` is ``None`` or has exactly ``prompt_len`` ids;
+  * ``arrival_s >= 0`` (seconds, relative to the run's start).
+A ``Workload`` built by ``with_arrivals`` has non-decreasing arrival times.
+
+Tokenizers: anything with ``encode(str) -> list[int]`` (a transformers tokenizer, our
+``superinfer_jax.model.load_tokenizer``), a HF ``tokenizers.Tokenizer`` (whose ``encode`` returns an
+``Encoding``; its ``.ids`` are used) or a bare callable ``str -> list[int]``. Pure Python + numpy, no JAX.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+  """Token ids of ``text`` under ``tokenizer`` (see the module docstring for what is accepted)."""
+  encode = getattr(tokenizer, "encode", None)
+  if encode is None:
+    if not callable(tokenizer):
+      raise TypeError(f"tokenizer {tokenizer!r} has no encode() and is not callable")
+    encode = tokenizer
+  out = encode(text)
+  ids = getattr(out, "ids", out)  # tokenizers.Encoding -> .ids
+  return [int(t) for t in ids]
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSpec:
+  """One request of a workload.
+
+  Attributes:
+    request_id: unique id within the workload (string).
+    prompt: prompt text ("" for synthetic token-only prompts).
+    prompt_len: prompt length in tokens (under the tokenizer the loader was given).
+    output_len: number of tokens to generate (the engine runs with ignore_eos and max_tokens=output_len).
+    arrival_s: arrival time in seconds since the start of the run.
+    prompt_token_ids: the prompt's token ids, or None when only the text is kept.
+    source: where the request came from (dataset name/record id), free-form.
+  """
+  request_id: str
+  prompt: str
+  prompt_len: int
+  output_len: int
+  arrival_s: float = 0.0
+  prompt_token_ids: tuple[int, ...] | None = None
+  source: str = ""
+
+  def __post_init__(self):
+    if self.prompt_len < 1:
+      raise ValueError(f"{self.request_id}: prompt_len must be >= 1, got {self.prompt_len}")
+    if self.output_len < 1:
+      raise ValueError(f"{self.request_id}: output_len must be >= 1, got {self.output_len}")
+    if self.arrival_s < 0 or not np.isfinite(self.arrival_s):
+      raise ValueError(f"{self.request_id}: arrival_s must be finite and >= 0, got {self.arrival_s}")
+    if self.prompt_token_ids is not None:
+      if not isinstance(self.prompt_token_ids, tuple):
+        object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
+      if len(self.prompt_token_ids) != self.prompt_len:
+        raise ValueError(f"{self.request_id}: {len(self.prompt_token_ids)} prompt_token_ids but "
+                         f"prompt_len={self.prompt_len}")
+
+  @property
+  def total_len(self) -> int:
+    """Prompt + output tokens: the context length the request reaches at its last token."""
+    return self.prompt_len + self.output_len
+
+  def to_json_dict(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    if self.prompt_token_ids is not None:
+      d["prompt_token_ids"] = list(self.prompt_token_ids)
+    return d
+
+  @classmethod
+  def from_json_dict(cls, d: dict[str, Any]) -> "RequestSpec":
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kw = {k: v for k, v in d.items() if k in fields}
+    if kw.get("prompt_token_ids") is not None:
+      kw["prompt_token_ids"] = tuple(kw["prompt_token_ids"])
+    return cls(**kw)
+
+
+def filter_requests(requests: Iterable[RequestSpec], *, min_prompt_len: int = 1,
+                    max_prompt_len: int | None = None, min_output_len: int = 1,
+                    max_output_len: int | None = None,
+                    max_total_len: int | None = None) -> list[RequestSpec]:
+  """Requests whose lengths (tokens) lie within the given inclusive bounds.
+
+  ``max_total_len`` bounds ``prompt_len + output_len`` (use the model's context length so every request
+  fits). ``None`` means unbounded.
+  """
+  return [r for r in requests if _keep(r.prompt_len, r.output_len, min_prompt_len, max_prompt_len,
+                                        min_output_len, max_output_len, max_total_len)]
+
+
+def _keep(p: int, o: int, min_p, max_p, min_o, max_o, max_total) -> bool:
+  return (p >= min_p and (max_p is None or p <= max_p) and o >= min_o and
+          (max_o is None or o <= max_o) and (max_total is None or p + o <= max_total))
+
+
+class Workload(Sequence[RequestSpec]):
+  """An immutable, ordered list of ``RequestSpec`` plus a name (for results rows and file names)."""
+
+  def __init__(self, requests: Iterable[RequestSpec], name: str = "workload"):
+    self._requests = tuple(requests)
+    self.name = name
+    ids = [r.request_id for r in self._requests]
+    if len(set(ids)) != len(ids):
+      raise ValueError("duplicate request ids in workload")
+
+  def __len__(self) -> int:
+    return len(self._requests)
+
+  def __getitem__(self, i):
+    if isinstance(i, slice):
+      return Workload(self._requests[i], self.name)
+    return self._requests[i]
+
+  def __iter__(self) -> Iterator[RequestSpec]:
+    return iter(self._requests)
+
+  def __repr__(self) -> str:
+    return f"Workload(name={self.name!r}, num_requests={len(self)})"
+
+  @property
+  def requests(self) -> tuple[RequestSpec, ...]:
+    return self._requests
+
+  def take(self, n: int) -> "Workload":
+    """The first ``n`` requests (all of them if fewer)."""
+    return Workload(self._requests[:n], self.name)
+
+  def filter(self, **bounds) -> "Workload":
+    """``filter_requests`` with the same keyword bounds."""
+    return Workload(filter_requests(self._requests, **bounds), self.name)
+
+  def with_arrivals(self, arrival_s: Sequence[float]) -> "Workload":
+    """Copy with ``arrival_s[i]`` assigned to request i (needs one non-decreasing time per request)."""
+    arr = np.asarray(arrival_s, dtype=np.float64)
+    if arr.shape != (len(self),):
+      raise ValueError(f"need {len(self)} arrival times, got shape {arr.shape}")
+    if len(arr) > 1 and np.any(np.diff(arr) < 0):
+      raise ValueError("arrival times must be non-decreasing")
+    return Workload((dataclasses.replace(r, arrival_s=float(t)) for r, t in zip(self, arr)), self.name)
+
+  def map(self, fn: Callable[[RequestSpec], RequestSpec]) -> "Workload":
+    return Workload((fn(r) for r in self), self.name)
+
+  def stats(self) -> dict[str, float]:
+    """Token-length summary (mean/p50/p99/max of prompt and output lengths) and the arrival span (s)."""
+    if not self._requests:
+      return {"num_requests": 0}
+    p = np.array([r.prompt_len for r in self], dtype=np.float64)
+    o = np.array([r.output_len for r in self], dtype=np.float64)
+    a = np.array([r.arrival_s for r in self], dtype=np.float64)
+    out: dict[str, float] = {"num_requests": len(self)}
+    for name, x in (("prompt_len", p), ("output_len", o)):
+      out[f"{name}_mean"] = float(x.mean())
+      out[f"{name}_p50"] = float(np.percentile(x, 50))
+      out[f"{name}_p99"] = float(np.percentile(x, 99))
+      out[f"{name}_max"] = float(x.max())
+    out["arrival_span_s"] = float(a.max() - a.min())
+    return out
+
+  def save_jsonl(self, path: str) -> None:
+    """One ``RequestSpec.to_json_dict()`` per line (a replayable snapshot of the workload)."""
+    with open(path, "w", encoding="utf-8") as f:
+      for r in self:
+        f.write(json.dumps(r.to_json_dict(), ensure_ascii=False) + "\n")
+
+  @classmethod
+  def load_jsonl(cls, path: str, name: str | None = None) -> "Workload":
+    """Inverse of ``save_jsonl``."""
+    with open(path, encoding="utf-8") as f:
+      reqs = [RequestSpec.from_json_dict(json.loads(line)) for line in f if line.strip()]
+    return cls(reqs, name or path)
