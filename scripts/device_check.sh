@@ -6,10 +6,11 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.85}
-run() { local name=$1; shift; echo "=== $name: $*"; timeout "${STEP_TIMEOUT:-150}" "$@" 2>&1 | tee "$OUT/$name.log"; }
+run() {  # name cmd...: runs with a timeout, tees the log into $OUT
+ local name=$1; shift; echo "=== $name: $*"; timeout "${STEP_TIMEOUT:-150}" "$@" 2>&1 | tee "$OUT/$name.log"; }
 python -c "import jax; print(jax.__version__, jax.devices())" | tee "$OUT/env.log"
 # 1. GPU-marked tests (kernels compiled for real, transfers through pinned_host)
-run gpu_tests python -m pytest -q -x tests -k "gpu or pallas or rotation" -p no:cacheprovider
+JAX_PLATFORMS=cuda run gpu_tests python -m pytest -q -x tests -k "gpu or pallas or rotation" -p no:cacheprovider
 # 2. attention kernel vs jnp reference vs jax's paged_attention
 run bench_attention python scripts/bench_attention.py --json_out="$OUT/bench_attention.json"
 # 3. DuplexKV transfers vs torch pinned copies
