@@ -1,0 +1,123 @@
+"""Real-time replay of a workload on an in-process ``LLMEngine``.
+
+The driver plays the client: request i is submitted at ``t0 + arrival_s[i]`` on the engine's clock, with
+that scheduled time as its arrival (so queueing before submission counts against TTFT, as with a real
+client), ``ignore_eos=True``, greedy, and ``max_tokens`` = the workload's output length (the paper's
+benchmark setting, PAPER.md §5). Between steps it records every output token's timestamp (as the engine
+stamped it) and every scheduler state change (waiting / running / swapped = rotary / preempted /
+finished) into a ``TimelineRecorder``. When nothing is live it sleeps until the next arrival.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Optional, Sequence
+
+from superinfer_jax.metrics.timeline import (PREEMPTED, RUNNING, SWAPPED, WAITING, RequestTimeline,
+                                             TimelineRecorder)
+
+# Scheduler RequestState values -> timeline states (metrics.timeline's vocabulary).
+_STATE_NAMES = {"waiting": WAITING, "running": RUNNING, "rotary": SWAPPED, "preempted": PREEMPTED}
+
+
+@dataclasses.dataclass
+class ReplayResult:
+  """What one replay produced. Times are seconds on the engine's clock."""
+  timelines: list[RequestTimeline]
+  duration_s: float                      # first arrival -> last token (or time limit)
+  engine_stats: dict[str, Any]
+  rejected: list[tuple[str, str]]        # (request id, error) refused at add_request
+  compilations: int                      # model-step compilations that happened during the replay
+  timed_out: bool = False
+
+
+def _progress_bar(total: int, desc: str, enabled: bool):
+  if not enabled:
+    return None
+  try:
+    from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  return tqdm(total=total, desc=desc, unit="req", leave=False, dynamic_ncols=True)
+
+
+def replay_workload(engine, requests: Sequence[Any], *, desc: str = "replay", progress: bool = True,
+                    time_limit_s: Optional[float] = None, idle_sleep_max_s: float = 0.05) -> ReplayResult:
+  """Replays ``requests`` (``workload.RequestSpec``s, any order) on ``engine`` in real time.
+
+  Args:
+    engine: an ``LLMEngine`` (fresh, or at least idle).
+    requests: specs with ``request_id``, ``prompt_token_ids`` (or ``prompt``), ``output_len``,
+      ``arrival_s`` (seconds after the start of the replay).
+    time_limit_s: stop (abort what is left) after this many seconds; unfinished requests stay in the
+      timelines with ``finish_reason=None``.
+  Returns a ``ReplayResult``; every request appears in ``timelines`` exactly once.
+  """
+  from superinfer_jax.engine.config import SamplingParams  # pylint: disable=import-outside-toplevel
+  clock = engine.clock
+  pending = sorted(requests, key=lambda s: (s.arrival_s, str(s.request_id)))
+  recorder = TimelineRecorder()
+  rejected: list[tuple[str, str]] = []
+  live: set[str] = set()
+  compiled_before = engine.num_compiled_shapes()
+  bar = _progress_bar(len(pending), desc, progress)
+  t0 = clock.now()
+  nxt = 0
+  timed_out = False
+  last_token_t = t0
+  while nxt < len(pending) or live:
+    now = clock.now()
+    if time_limit_s is not None and now - t0 > time_limit_s:
+      timed_out = True
+      break
+    while nxt < len(pending) and t0 + pending[nxt].arrival_s <= now:
+      spec = pending[nxt]
+      nxt += 1
+      rid = str(spec.request_id)
+      arrival = t0 + spec.arrival_s
+      prompt = spec.prompt_token_ids if spec.prompt_token_ids is not None else spec.prompt
+      recorder.add_request(rid, arrival, spec.prompt_len, target_output_len=spec.output_len,
+                           source=getattr(spec, "source", "") or "")
+      try:
+        engine.add_request(prompt, SamplingParams(max_tokens=spec.output_len, temperature=0.0,
+                                                  ignore_eos=True),
+                           request_id=rid, arrival_time=arrival)
+      except ValueError as e:  # RequestError: refused, recorded as never finished
+        rejected.append((rid, str(e)))
+        if bar is not None:
+          bar.update(1)
+        continue
+      live.add(rid)
+    if not live:
+      if nxt < len(pending):
+        time.sleep(min(idle_sleep_max_s, max(0.0, t0 + pending[nxt].arrival_s - clock.now())))
+      continue
+    outputs = engine.step()
+    now = clock.now()
+    for o in outputs:
+      if o.timestamps:
+        for ts in o.timestamps:
+          recorder.token(o.request_id, ts)
+        last_token_t = max(last_token_t, o.timestamps[-1])
+      if o.finished:
+        recorder.finish(o.request_id, o.timestamps[-1] if o.timestamps else now,
+                        o.finish_reason or "length")
+        live.discard(o.request_id)
+        if bar is not None:
+          bar.update(1)
+    for rid in live:
+      r = engine.scheduler.get(rid)
+      if r is not None:
+        name = _STATE_NAMES.get(getattr(r.state, "value", str(r.state)))
+        if name is not None:
+          recorder.state(rid, now, name)
+  if timed_out:
+    for rid in list(live):
+      engine.abort(rid)
+    while engine.has_unfinished():
+      engine.step()
+  if bar is not None:
+    bar.close()
+  return ReplayResult(timelines=recorder.timelines(), duration_s=max(last_token_t - t0, 1e-9),
+                      engine_stats=engine.stats.as_dict(), rejected=rejected,
+                      compilations=engine.num_compiled_shapes() - compiled_before, timed_out=timed_out)
