@@ -34,7 +34,8 @@ def token_metadata(query_start_loc: jax.Array, context_lens: jax.Array, num_toke
   """
   num_seqs = context_lens.shape[0]
   t = jnp.arange(num_tokens, dtype=jnp.int32)
-  seq_idx = jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32)
+  # searchsorted(side="right") as one vectorised compare: jnp's default 'scan' method is a while loop.
+  seq_idx = jnp.sum(query_start_loc[1:][None, :] <= t[:, None], axis=1, dtype=jnp.int32)
   valid = seq_idx < num_seqs
   seq_idx = jnp.minimum(seq_idx, num_seqs - 1)
   q_len = query_start_loc[seq_idx + 1] - query_start_loc[seq_idx]

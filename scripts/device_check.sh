@@ -12,6 +12,8 @@ python -c "import jax; print(jax.__version__, jax.devices())" | tee "$OUT/env.lo
 # 1. GPU-marked tests (kernels compiled for real, transfers through pinned_host)
 JAX_PLATFORMS=cuda run gpu_tests python -m pytest -q -x tests -k "gpu or pallas or rotation" -p no:cacheprovider
 # 2. attention kernel vs jnp reference vs jax's paged_attention
-run bench_attention python scripts/bench_attention.py --json_out="$OUT/bench_attention.json"
+STEP_TIMEOUT=240 run bench_attention python scripts/bench_attention.py --json_out="$OUT/bench_attention.json"
 # 3. DuplexKV transfers vs torch pinned copies
 run bench_transfer python scripts/bench_transfer.py --json --max_segment_mb=64
+# 4. Triton compile of the kernel's IR for sm_90 (also runnable on a CPU box with triton installed)
+run triton_check python -m pallas_kernels.triton_check
