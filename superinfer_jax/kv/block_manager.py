@@ -1,0 +1,520 @@
+"""KV block manager: device and host block pools, per-request block tables, clean/dirty host copies.
+
+Host-side bookkeeping only (pure Python; no JAX, no numpy arrays on the hot path). It decides *which* blocks
+hold a request's KV and returns the copy lists the rotation engine (DuplexKV, ``superinfer_jax/rotation``)
+must execute; it never touches KV data itself.
+
+Pools
+-----
+* Device pool: block ids ``1..num_device_blocks``. ``PADDING_BLOCK`` (0) is never allocated (the device
+  cache array therefore has ``num_device_blocks + 1`` blocks; see ``kv/layout.py``).
+* Host pool (pinned host memory): block ids ``0..num_host_blocks-1``.
+* Free lists are FIFO: a freed block goes to the tail, allocation pops the head.
+* Every allocated block has a reference count equal to the number of (request, logical block) slots that
+  point at it. Today every block has exactly one owner (count 1); the counts are kept so prefix sharing can
+  be added without changing the API.
+
+Per-request state
+-----------------
+A request owns a list of *logical blocks* ``0..n-1``; logical block ``i`` holds tokens
+``[i*block_size, (i+1)*block_size)``. Each logical block has a device id and/or a host id:
+
+* ``num_tokens``: tokens with a slot (covered by the block table). ``n == ceil(num_tokens / block_size)``.
+* ``num_computed``: leading tokens whose KV is written by a model step that has already been *dispatched*
+  (``mark_computed``); ``0 <= num_computed <= num_tokens``; never decreases while the request lives.
+* ``host_tokens[i]``: how many leading tokens of logical block ``i`` the host copy holds (0 if no host copy).
+  KV is append-only, so a host copy holding ``k`` tokens stays valid for those ``k`` tokens forever.
+  The host copy is **clean** iff it holds every computed token of the block
+  (``host_tokens[i] >= computed_in_block(i)``); otherwise the block is **dirty**.
+* A request is either **resident** (every logical block has a device id; host ids are optional clean or
+  stale mirrors) or **swapped** / rotary (no device ids; every logical block has a host id and is clean,
+  and ``num_tokens == num_computed``).
+
+Public API
+----------
+``BlockManager(num_device_blocks, num_host_blocks, block_size)``
+
+Capacity queries (all O(1) unless noted):
+  * ``num_free_device_blocks``, ``num_free_host_blocks`` (properties), ``host_usage()`` and
+    ``device_usage()`` (used fraction in [0, 1]).
+  * ``blocks_to_grow(req_id, total_tokens) -> int``: device blocks ``append_slots`` would allocate to cover
+    ``total_tokens`` tokens (an unknown request counts from 0 tokens). Resident or new requests only.
+  * ``blocks_to_swap_in(req_id) -> int``: device blocks ``swap_in`` allocates (the request's block count).
+  * ``blocks_to_swap_out(req_id) -> int``: host blocks ``swap_out`` must allocate (dirty blocks without a
+    host copy). O(blocks of the request).
+  * ``reclaimable_host_blocks()``: host blocks held as mirrors by resident requests; ``num_host_mirrors(id)``.
+  * ``num_blocks(req_id)``, ``num_tokens(req_id)``, ``num_computed(req_id)``, ``is_swapped(req_id)``,
+    ``has_request(req_id)`` / ``req_id in manager``, ``num_requests``.
+
+Mutations:
+  * ``append_slots(req_id, num_new_tokens) -> bool``: grow a resident (or new: the first call creates the
+    request) request by ``num_new_tokens`` token slots, allocating device blocks as needed. All-or-nothing:
+    returns False and changes nothing if the device pool lacks blocks. Raises on a swapped request.
+  * ``mark_computed(req_id, num_computed_tokens)``: absolute count of tokens whose KV is written by a step
+    already dispatched. Monotone, ``<= num_tokens``. Blocks that become full are queued for write-back.
+  * ``take_writebacks(max_blocks=None, min_free_host=0) -> list[(device, host)]``: eager write-back
+    (PAPER.md §4.4): D2H pairs for full, computed, dirty blocks of resident requests, oldest first. A block
+    without a host copy gets a fresh host block; one with a stale copy (a tail block that filled up after a
+    swap-in) reuses it. Marks them clean. Stops at ``max_blocks`` pairs or when taking another host block
+    would leave fewer than ``min_free_host`` free; the rest stay queued for a later call.
+  * ``swap_out(req_id) -> list[(device, host)] | None``: rotate a resident request to host. D2H pairs only
+    for blocks whose host copy is missing or stale (normally just the dirty tail block when write-back keeps
+    up). Returns None and changes nothing if the host pool lacks blocks (caller falls back to recompute
+    preemption via ``free``). Uncomputed slots (``num_tokens > num_computed``) are dropped, because their KV
+    does not exist. Frees all the request's device blocks.
+  * ``swap_in(req_id) -> list[(host, device)] | None``: bring a swapped request back. Allocates one device
+    block per logical block and returns H2D pairs for all of them; host blocks are kept as clean mirrors
+    so a later ``swap_out`` copies only what changed. Returns None and changes nothing if the device pool
+    lacks blocks.
+  * ``free(req_id)``: finish / abort / recompute preemption. Releases device and host blocks. Unknown id:
+    no-op.
+  * ``block_table(req_id) -> list[int]``: device ids of a resident request's logical blocks (a fresh list;
+    pad with ``PADDING_BLOCK``). Token ``t`` lives at slot ``table[t // block_size] * block_size +
+    t % block_size``.
+  * ``host_block_table(req_id) -> list[int]``: host ids (-1 where none).
+  * ``drop_host_mirrors(req_id) -> int``: release a resident request's host copies (redundant: the device
+    holds the data); its full blocks are queued for write-back again. For reclaiming host space.
+  * ``check_invariants()``: raises ``AssertionError`` describing the first violation: no block owned twice,
+    ref counts equal owners, free lists disjoint from used blocks and complete, padding block never used,
+    every request's table covers its tokens, resident/swapped and clean/dirty consistency, write-back queue
+    consistent. O(total blocks); for tests and debug.
+
+Ordering contract (the rotation engine relies on it; see WORKSPACE_NOTES "Rotation")
+------------------------------------------------------------------------------------
+1. Within one step, the engine gathers *all* D2H sources (swap-out + write-back pairs) from the cache returned
+   by the last dispatched model step *before* it scatters any H2D data into the cache, and dispatches the
+   next model step after the scatter. Hence a device block freed by ``swap_out`` may be handed out again in
+   the same step (as a ``swap_in`` target or for ``append_slots``): its old content has already been
+   gathered.
+2. "Computed" means written by a step already dispatched. D2H gathers are data-dependent on the last
+   dispatched step, so every copied token's KV exists. The scheduler marks a plan's tokens computed *after*
+   it has taken that plan's swap-outs and write-backs, and the engine dispatches a plan's step before asking
+   for the next plan.
+3. Within one step no host block is both an H2D source and a D2H target, or a D2H target twice, provided the
+   caller (the scheduler) (a) does not ``free`` a request it swapped in or out in the same step, (b) does
+   not ``drop_host_mirrors`` of a request swapped in during the step, and (c) calls ``take_writebacks``
+   last. Across steps the engine must apply step k's copies to a host block before step k+1's (e.g. wait for
+   step k's transfers before issuing step k+1's, as the reference does). Device blocks need no such wait:
+   step k's gather is enqueued before any later scatter into (or model step on) the donated cache.
+4. Nothing is lost silently: ``swap_out``/``swap_in``/``append_slots`` either do everything or return
+   None/False with no change.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Hashable
+
+from superinfer_jax.kv.layout import PADDING_BLOCK
+
+NO_BLOCK = -1
+
+ReqId = Hashable
+
+
+class _Seq:
+  """One request's logical blocks (parallel lists, indexed by logical block)."""
+  __slots__ = ("dev", "host", "host_tokens", "num_tokens", "num_computed", "swapped", "nwb")
+
+  def __init__(self):
+    self.dev: list[int] = []
+    self.host: list[int] = []
+    self.host_tokens: list[int] = []
+    self.num_tokens = 0
+    self.num_computed = 0
+    self.swapped = False
+    self.nwb = 0  # entries of this request in the write-back queue
+
+
+class BlockManager:
+  """Device + host block pools and per-request block tables. See the module docstring for the API."""
+
+  def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int):
+    if num_device_blocks < 1:
+      raise ValueError(f"num_device_blocks must be >= 1, got {num_device_blocks}")
+    if num_host_blocks < 0:
+      raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+    if block_size < 1:
+      raise ValueError(f"block_size must be >= 1, got {block_size}")
+    self.num_device_blocks = num_device_blocks
+    self.num_host_blocks = num_host_blocks
+    self.block_size = block_size
+    self._dev_free = collections.deque(range(1, num_device_blocks + 1))
+    self._host_free = collections.deque(range(num_host_blocks))
+    self._dev_ref = [0] * (num_device_blocks + 1)
+    self._host_ref = [0] * num_host_blocks
+    self._seqs: dict[ReqId, _Seq] = {}
+    # Eager write-back queue: (req_id, logical block) of full, computed blocks of resident requests whose
+    # host copy is missing or stale. Insertion-ordered (oldest first); entries are removed on swap-out/free.
+    self._wb: dict[tuple[ReqId, int], None] = {}
+    self._mirror_blocks = 0  # host blocks held by resident requests (clean or stale mirrors)
+
+  # ---------------------------------------------------------------- capacity queries
+  @property
+  def num_free_device_blocks(self) -> int:
+    return len(self._dev_free)
+
+  @property
+  def num_free_host_blocks(self) -> int:
+    return len(self._host_free)
+
+  @property
+  def num_requests(self) -> int:
+    return len(self._seqs)
+
+  def device_usage(self) -> float:
+    return 1.0 - len(self._dev_free) / self.num_device_blocks
+
+  def reclaimable_host_blocks(self) -> int:
+    """Host blocks held as mirrors by resident requests (``drop_host_mirrors`` can release them)."""
+    return self._mirror_blocks
+
+  def num_host_mirrors(self, req_id: ReqId) -> int:
+    s = self._seqs[req_id]
+    return 0 if s.swapped else len(s.host) - s.host.count(NO_BLOCK)
+
+  def host_usage(self) -> float:
+    if self.num_host_blocks == 0:
+      return 1.0
+    return 1.0 - len(self._host_free) / self.num_host_blocks
+
+  def blocks_for_tokens(self, num_tokens: int) -> int:
+    return -(-num_tokens // self.block_size)
+
+  def __contains__(self, req_id: ReqId) -> bool:
+    return req_id in self._seqs
+
+  def has_request(self, req_id: ReqId) -> bool:
+    return req_id in self._seqs
+
+  def is_swapped(self, req_id: ReqId) -> bool:
+    return self._seqs[req_id].swapped
+
+  def num_blocks(self, req_id: ReqId) -> int:
+    s = self._seqs.get(req_id)
+    return 0 if s is None else len(s.dev)
+
+  def num_tokens(self, req_id: ReqId) -> int:
+    s = self._seqs.get(req_id)
+    return 0 if s is None else s.num_tokens
+
+  def num_computed(self, req_id: ReqId) -> int:
+    s = self._seqs.get(req_id)
+    return 0 if s is None else s.num_computed
+
+  def blocks_to_grow(self, req_id: ReqId, total_tokens: int) -> int:
+    """Device blocks ``append_slots`` needs so that the request covers ``total_tokens`` tokens."""
+    s = self._seqs.get(req_id)
+    have = 0 if s is None else len(s.dev)
+    if s is not None and s.swapped:
+      raise ValueError(f"request {req_id!r} is swapped out; use blocks_to_swap_in")
+    need = -(-total_tokens // self.block_size) - have
+    return need if need > 0 else 0
+
+  def blocks_to_swap_in(self, req_id: ReqId) -> int:
+    s = self._seqs[req_id]
+    return len(s.dev) if s.swapped else 0
+
+  def blocks_to_swap_out(self, req_id: ReqId) -> int:
+    """Host blocks ``swap_out`` would allocate (computed blocks without any host copy)."""
+    s = self._seqs[req_id]
+    if s.swapped:
+      return 0
+    n = -(-s.num_computed // self.block_size)
+    return s.host[:n].count(NO_BLOCK)
+
+  def swap_out_copies(self, req_id: ReqId) -> int:
+    """D2H block copies ``swap_out`` would issue (computed blocks whose host copy is missing or stale)."""
+    s = self._seqs[req_id]
+    if s.swapped:
+      return 0
+    bs = self.block_size
+    nfull = s.num_computed // bs
+    n = nfull - s.host_tokens[:nfull].count(bs)
+    if nfull * bs < s.num_computed and s.host_tokens[nfull] < s.num_computed - nfull * bs:
+      n += 1
+    return n
+
+  def block_table(self, req_id: ReqId) -> list[int]:
+    s = self._seqs[req_id]
+    if s.swapped:
+      raise ValueError(f"request {req_id!r} is swapped out; it has no device block table")
+    return list(s.dev)
+
+  def host_block_table(self, req_id: ReqId) -> list[int]:
+    return list(self._seqs[req_id].host)
+
+  # ---------------------------------------------------------------- helpers
+  def _computed_in_block(self, s: _Seq, i: int) -> int:
+    c = s.num_computed - i * self.block_size
+    return 0 if c <= 0 else (self.block_size if c >= self.block_size else c)
+
+  def _dirty_indices(self, s: _Seq) -> list[int]:
+    """Logical blocks holding computed tokens that their host copy lacks (KV is append-only, so a full block
+    is dirty iff its host copy holds fewer than block_size tokens)."""
+    bs = self.block_size
+    nfull = s.num_computed // bs
+    ht = s.host_tokens
+    if ht[:nfull].count(bs) == nfull:
+      out = []
+    else:
+      out = [i for i in range(nfull) if ht[i] < bs]
+    tail = s.num_computed - nfull * bs
+    if tail and ht[nfull] < tail:
+      out.append(nfull)
+    return out
+
+  def _alloc_dev(self) -> int:
+    b = self._dev_free.popleft()
+    self._dev_ref[b] = 1
+    return b
+
+  def _alloc_host(self) -> int:
+    b = self._host_free.popleft()
+    self._host_ref[b] = 1
+    return b
+
+  def _release_dev(self, b: int) -> None:
+    self._dev_ref[b] -= 1
+    if self._dev_ref[b] == 0:
+      self._dev_free.append(b)
+
+  def _release_host(self, b: int) -> None:
+    self._host_ref[b] -= 1
+    if self._host_ref[b] == 0:
+      self._host_free.append(b)
+
+  def _drop_wb(self, req_id: ReqId, s: _Seq) -> None:
+    if not s.nwb:
+      return
+    wb = self._wb
+    for i in range(len(s.dev)):
+      if wb.pop((req_id, i), 0) is None:
+        s.nwb -= 1
+        if not s.nwb:
+          break
+
+  # ---------------------------------------------------------------- mutations
+  def append_slots(self, req_id: ReqId, num_new_tokens: int) -> bool:
+    """Covers ``num_new_tokens`` more tokens on device. All-or-nothing. Creates unknown requests."""
+    if num_new_tokens < 0:
+      raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+    s = self._seqs.get(req_id)
+    if s is None:
+      need = -(-num_new_tokens // self.block_size)
+      if need > len(self._dev_free):
+        return False
+      s = self._seqs[req_id] = _Seq()
+    else:
+      if s.swapped:
+        raise ValueError(f"append_slots on swapped-out request {req_id!r}; swap_in first")
+      need = -(-(s.num_tokens + num_new_tokens) // self.block_size) - len(s.dev)
+      if need > len(self._dev_free):
+        return False
+    for _ in range(need):
+      s.dev.append(self._alloc_dev())
+      s.host.append(NO_BLOCK)
+      s.host_tokens.append(0)
+    s.num_tokens += num_new_tokens
+    return True
+
+  def mark_computed(self, req_id: ReqId, num_computed_tokens: int) -> None:
+    """Records that the first ``num_computed_tokens`` tokens' KV is written by a dispatched step."""
+    s = self._seqs[req_id]
+    if s.swapped:
+      raise ValueError(f"mark_computed on swapped-out request {req_id!r}")
+    if num_computed_tokens < s.num_computed or num_computed_tokens > s.num_tokens:
+      raise ValueError(f"mark_computed({req_id!r}, {num_computed_tokens}): must be in "
+                       f"[{s.num_computed}, {s.num_tokens}]")
+    bs = self.block_size
+    first_full = s.num_computed // bs  # first block that was not full before
+    s.num_computed = num_computed_tokens
+    for i in range(first_full, num_computed_tokens // bs):
+      if s.host_tokens[i] < bs:
+        self._wb[(req_id, i)] = None
+        s.nwb += 1
+
+  def pending_writebacks(self) -> int:
+    return len(self._wb)
+
+  def take_writebacks(self, max_blocks: int | None = None, min_free_host: int = 0) -> list[tuple[int, int]]:
+    """Eager write-back: D2H pairs for full, computed, dirty blocks (oldest first); marks them clean."""
+    out: list[tuple[int, int]] = []
+    if not self._wb:
+      return out
+    bs = self.block_size
+    wb = self._wb
+    limit = len(wb) if max_blocks is None else max_blocks
+    while wb and len(out) < limit:
+      key = next(iter(wb))
+      req_id, i = key
+      s = self._seqs[req_id]
+      h = s.host[i]
+      if h == NO_BLOCK:
+        if len(self._host_free) <= min_free_host:
+          break
+        h = s.host[i] = self._alloc_host()
+        self._mirror_blocks += 1
+      del wb[key]
+      s.nwb -= 1
+      s.host_tokens[i] = bs
+      out.append((s.dev[i], h))
+    return out
+
+  def swap_out(self, req_id: ReqId) -> list[tuple[int, int]] | None:
+    """Rotates a resident request to host; D2H pairs for dirty blocks, or None (host pool too small)."""
+    s = self._seqs[req_id]
+    if s.swapped:
+      raise ValueError(f"request {req_id!r} is already swapped out")
+    bs = self.block_size
+    n = -(-s.num_computed // bs)
+    dirty = self._dirty_indices(s)
+    host = s.host
+    need_host = sum(1 for i in dirty if host[i] == NO_BLOCK) if dirty else 0
+    if need_host > len(self._host_free):
+      return None
+    self._drop_wb(req_id, s)
+    self._mirror_blocks -= len(host) - host.count(NO_BLOCK)
+    pairs = []
+    for i in dirty:
+      if s.host[i] == NO_BLOCK:
+        s.host[i] = self._alloc_host()
+      s.host_tokens[i] = self._computed_in_block(s, i)
+      pairs.append((s.dev[i], s.host[i]))
+    # Release device blocks; drop logical blocks past the computed tokens (their KV does not exist).
+    ref = self._dev_ref
+    free_append = self._dev_free.append
+    for b in s.dev:
+      c = ref[b] - 1
+      ref[b] = c
+      if not c:
+        free_append(b)
+    for i in range(n, len(s.host)):
+      if s.host[i] != NO_BLOCK:
+        self._release_host(s.host[i])
+    del s.host[n:]
+    del s.host_tokens[n:]
+    s.dev = [NO_BLOCK] * n
+    s.num_tokens = s.num_computed
+    s.swapped = True
+    return pairs
+
+  def swap_in(self, req_id: ReqId) -> list[tuple[int, int]] | None:
+    """Brings a swapped request back; H2D pairs for every block, or None (device pool too small)."""
+    s = self._seqs[req_id]
+    if not s.swapped:
+      raise ValueError(f"request {req_id!r} is not swapped out")
+    n = len(s.host)
+    free = self._dev_free
+    if n > len(free):
+      return None
+    pop = free.popleft
+    devs = [pop() for _ in range(n)]
+    ref = self._dev_ref
+    for d in devs:
+      ref[d] = 1
+    s.dev = devs
+    s.swapped = False
+    self._mirror_blocks += n
+    return list(zip(s.host, devs))
+
+  def free(self, req_id: ReqId) -> None:
+    """Releases every device and host block of the request (finish, abort, recompute preemption)."""
+    s = self._seqs.pop(req_id, None)
+    if s is None:
+      return
+    self._drop_wb(req_id, s)
+    if not s.swapped:
+      self._mirror_blocks -= len(s.host) - s.host.count(NO_BLOCK)
+    for b in s.dev:
+      if b != NO_BLOCK:
+        self._release_dev(b)
+    for b in s.host:
+      if b != NO_BLOCK:
+        self._release_host(b)
+
+  def drop_host_mirrors(self, req_id: ReqId) -> int:
+    """Releases the host copies of a *resident* request (they are redundant); returns blocks released.
+
+    Lets a caller reclaim host space held by clean mirrors of running requests. The next ``swap_out`` of the
+    request then copies every computed block again. Must not be called for a request swapped in during the
+    current step (its host blocks are this step's H2D sources; ordering contract 3).
+    """
+    s = self._seqs[req_id]
+    if s.swapped:
+      raise ValueError(f"request {req_id!r} is swapped out; its host blocks are its only copy")
+    released = 0
+    if s.host.count(NO_BLOCK) == len(s.host):
+      return 0
+    bs = self.block_size
+    for i, h in enumerate(s.host):
+      if h != NO_BLOCK:
+        self._release_host(h)
+        s.host[i] = NO_BLOCK
+        s.host_tokens[i] = 0
+        released += 1
+        if (i + 1) * bs <= s.num_computed and (req_id, i) not in self._wb:
+          self._wb[(req_id, i)] = None
+          s.nwb += 1
+    self._mirror_blocks -= released
+    return released
+
+  # ---------------------------------------------------------------- invariants
+  def check_invariants(self) -> None:
+    """Raises AssertionError on the first violated invariant (see the module docstring)."""
+    bs = self.block_size
+    dev_owners = [0] * (self.num_device_blocks + 1)
+    host_owners = [0] * self.num_host_blocks
+    for rid, s in self._seqs.items():
+      n = len(s.dev)
+      assert len(s.host) == n and len(s.host_tokens) == n, f"{rid!r}: parallel lists differ in length"
+      assert 0 <= s.num_computed <= s.num_tokens, f"{rid!r}: computed {s.num_computed} > {s.num_tokens}"
+      assert n == -(-s.num_tokens // bs), f"{rid!r}: {n} blocks do not cover exactly {s.num_tokens} tokens"
+      for i in range(n):
+        d, h, ht = s.dev[i], s.host[i], s.host_tokens[i]
+        assert 0 <= ht <= bs, f"{rid!r}[{i}]: host_tokens {ht}"
+        if h == NO_BLOCK:
+          assert ht == 0, f"{rid!r}[{i}]: host_tokens {ht} without a host block"
+        else:
+          assert 0 <= h < self.num_host_blocks, f"{rid!r}[{i}]: bad host id {h}"
+          host_owners[h] += 1
+        if s.swapped:
+          assert d == NO_BLOCK, f"{rid!r}[{i}]: swapped request holds device block {d}"
+          assert h != NO_BLOCK, f"{rid!r}[{i}]: swapped request lacks a host block"
+          assert ht >= self._computed_in_block(s, i), f"{rid!r}[{i}]: swapped block is dirty"
+        else:
+          assert d != PADDING_BLOCK, f"{rid!r}[{i}]: padding block allocated"
+          assert 1 <= d <= self.num_device_blocks, f"{rid!r}[{i}]: bad device id {d}"
+          dev_owners[d] += 1
+          full_dirty = (i + 1) * bs <= s.num_computed and ht < bs
+          assert full_dirty == ((rid, i) in self._wb), (
+              f"{rid!r}[{i}]: full&dirty={full_dirty} but write-back queued={(rid, i) in self._wb}")
+      if s.swapped:
+        assert s.num_tokens == s.num_computed, f"{rid!r}: swapped with uncomputed slots"
+    mirrors = sum(len(s.host) - s.host.count(NO_BLOCK) for s in self._seqs.values() if not s.swapped)
+    assert mirrors == self._mirror_blocks, f"mirror count {self._mirror_blocks} != {mirrors}"
+    nwb = collections.Counter()
+    for key in self._wb:
+      assert key[0] in self._seqs and not self._seqs[key[0]].swapped, f"stale write-back entry {key!r}"
+      nwb[key[0]] += 1
+    for rid, s in self._seqs.items():
+      assert s.nwb == nwb[rid], f"{rid!r}: write-back count {s.nwb} != queued {nwb[rid]}"
+    assert dev_owners[PADDING_BLOCK] == 0 and self._dev_ref[PADDING_BLOCK] == 0, "padding block in use"
+    dev_free = set(self._dev_free)
+    assert len(dev_free) == len(self._dev_free), "device free list has duplicates"
+    assert PADDING_BLOCK not in dev_free, "padding block on the free list"
+    for b in range(1, self.num_device_blocks + 1):
+      assert dev_owners[b] <= 1, f"device block {b} owned {dev_owners[b]} times"
+      assert self._dev_ref[b] == dev_owners[b], f"device block {b}: ref {self._dev_ref[b]} != owners {dev_owners[b]}"
+      assert (b in dev_free) == (dev_owners[b] == 0), f"device block {b}: free={b in dev_free}, owners={dev_owners[b]}"
+    host_free = set(self._host_free)
+    assert len(host_free) == len(self._host_free), "host free list has duplicates"
+    for b in range(self.num_host_blocks):
+      assert host_owners[b] <= 1, f"host block {b} owned {host_owners[b]} times"
+      assert self._host_ref[b] == host_owners[b], f"host block {b}: ref {self._host_ref[b]} != owners {host_owners[b]}"
+      assert (b in host_free) == (host_owners[b] == 0), (
+          f"host block {b}: free={b in host_free}, owners={host_owners[b]}")
+
+  def stats(self) -> dict:
+    return {"free_device_blocks": len(self._dev_free), "free_host_blocks": len(self._host_free),
+            "requests": len(self._seqs), "pending_writebacks": len(self._wb)}
+

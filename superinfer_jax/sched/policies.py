@@ -1,0 +1,338 @@
+"""Scheduling policies: one scheduler core (``scheduler.py``), pluggable step logic.
+
+* ``fcfs``: vLLM v1 default (PAPER.md §3). Arrival order; when a running request cannot grow, the
+  last-admitted running request is preempted by **recompute** and re-queued at the **head** of waiting; no
+  admission in a step that preempted; head-of-line blocking. No rotation.
+* ``fcfs_swap``: vLLM v0 swap mode. As fcfs, but the reactive victim is **swapped** to host (recompute if
+  mid-prefill or the host is full); swapped requests resume (FIFO) before any new one is admitted.
+* ``wf``: Waiting-First (PAPER.md §3) as a static ranking inside Algorithm 1: waiting (arrival order) >
+  rotary (FIFO) > running; running requests rotate out (longest-running first) to admit waiting ones.
+* ``sf``: Swapped-First: rotary (FIFO) > waiting > running, same machinery.
+* ``rotasched``: the paper's Algorithm 1 (PAPER.md §2.1) with VLT (alpha, beta_B, beta_F, S_F = TTFT SLO,
+  S_B = TBT SLO).
+* ``rotasched_code``: the reference code's behaviour (PAPER.md §2.2): oldest ``in_waiting_since`` first, keep
+  B blocks free by rotating out longest-running decode requests, host-usage gates 0.95 / 0.9, recompute on
+  the reactive path, swap-in not bounded by B.
+* ``edf`` (beyond the paper): earliest SLO deadline first (waiting: t_arr + TTFT SLO; rotary: t_last + TBT
+  SLO) inside Algorithm 1; only candidates already past their deadline may displace running requests, the
+  others use free memory only. A deadline-driven baseline to set against VLT's weighted lag.
+
+Algorithm 1 as implemented (``RotationPolicy.schedule_step``), per step at time ``now``:
+  0. ``B_HBM`` = free device blocks minus the blocks running requests need for this step's tokens.
+  1. Contention check: if ``B_HBM >= sum(blk(r) for r in waiting + rotary)`` (kept incrementally, O(1)): no
+     rotation; schedule running, then admit candidates in policy order (no contention: all fit).
+  2. Otherwise scan candidates (waiting + rotary, merged lazily in priority order; at most
+     ``lvf_scan_limit``, stopping after ``lvf_max_skips`` consecutive misfits or when B_left is spent) and
+     build R: ``r`` joins if it is *urgent* (VLT >= 0, which ReLU makes true for every
+     waiting/rotary request; for edf: deadline passed) and ``blk(r) <= B_left`` (``B_left = B_HBM + B_xfer``
+     for urgent candidates, ``B_HBM`` left for non-urgent ones), its swap-in fits the B_xfer in-budget, and
+     tokens and seats remain. ``blk(r) = ceil(planned_tokens / block_size)``.
+  3. ``B_swap = sum(blk(R)) - B_HBM`` and ``seats = |R| - free seats``; scan running requests from the tail of
+     L (longest-running, i.e. smallest VLT, first): while ``B_swap > 0`` or ``seats > 0``, take ``r`` if its
+     VLT < 0 (it has run for a positive time), it is in decode phase (never mid-prefill) and its D2H copies
+     fit the B_xfer out-budget.
+  4. Rotate out P, schedule running requests (reactive eviction = rotation if allowed, else recompute),
+     then admit R in order, skipping those that do not fit. A victim the host pool cannot take stays running
+     unless ``proactive_recompute`` is set (then it is preempted by recompute). Either way, when memory
+     really runs out (a running request cannot grow) the reactive path falls back to recompute.
+Queues stay sorted by time-invariant keys (VLT order within a state never changes), so a step costs
+O(running + |R| + blocks rotated + log N), not a sort of all N requests.
+
+Reading of the paper's conceptual example (PAPER.md §2.1, [S]): "the longest-running request rotates out once
+a waiting request's positive VLT exceeds its |VLT|". With the §1.2 formula a crossing test cannot be what
+Algorithm 1 does: a waiting request's VLT and a running request's |VLT| both grow at rate 1, so a waiting
+request could never displace one that started running before it arrived + beta_F * S_F. We implement
+Algorithm 1 as written (a waiting/rotary request has VLT >= 0 thanks to ReLU and so outranks every running
+request, whose VLT < 0 once it has run for any time); the victim is the tail of L, i.e. the longest-running
+request, and a request that entered RUNNING this instant (VLT = 0) is never a victim. Under contention this
+rotates up to B_xfer blocks per step (the paper's "(H)" ablation, TBT collapse without DuplexKV, is
+consistent with that). ``tests/test_sched.py::test_conceptual_example_longest_running_rotates_out`` works
+the example through.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Iterator
+
+from superinfer_jax.sched.request import Request, RequestState
+from superinfer_jax.sched.vlt import rotary_ref_time
+
+RUNNING = RequestState.RUNNING
+ROTARY = RequestState.ROTARY
+
+
+class Policy:
+  """Base: FCFS-style queue keys and step logic (vLLM v1 ``fcfs``)."""
+  name = "base"
+  reactive_mode = "recompute"
+
+  def __init__(self):
+    self._head_counter = 0
+
+  # Queue keys: ascending = head of the queue. Fixed while the request sits in the queue.
+  def waiting_key(self, r: Request, sched) -> tuple:
+    return (1, r.arrival_time)
+
+  def preempted_key(self, r: Request, sched) -> tuple:
+    self._head_counter += 1
+    return (0, -self._head_counter)  # re-queued at the head (vLLM v1)
+
+  def rotary_key(self, r: Request, sched) -> tuple:
+    return (r.state_time,)
+
+  def candidates(self, sched, now: float) -> Iterator[Request]:
+    """Waiting + rotary requests, highest priority first."""
+    return sched.waiting.iter_requests()
+
+  def schedule_step(self, sched, plan, now: float) -> None:
+    raise NotImplementedError
+
+
+class FCFS(Policy):
+  """vLLM v1: arrival order, reactive recompute preemption of the last admitted, head-of-line blocking."""
+  name = "fcfs"
+
+  def schedule_step(self, sched, plan, now):
+    evicted = sched.schedule_running(self.reactive_mode)
+    if evicted:
+      return
+    for r in self.candidates(sched, now):
+      if sched.budget_left() <= 0 or sched.seats_left() <= 0:
+        break
+      if not sched.admit(r):
+        break
+
+
+class FCFSSwap(FCFS):
+  """vLLM v0 swap mode: reactive victims go to host; swapped requests resume (FIFO) before new ones."""
+  name = "fcfs_swap"
+  reactive_mode = "swap"
+
+  def candidates(self, sched, now):
+    return itertools.chain(sched.rotary.iter_requests(), sched.waiting.iter_requests())
+
+
+class RotationPolicy(Policy):
+  """Algorithm 1 (PAPER.md §2.1) with a policy-defined candidate order (see the module docstring)."""
+  name = "rotation"
+  reactive_mode = "swap"
+
+  def waiting_key(self, r, sched):
+    return (r.arrival_time,)
+
+  def preempted_key(self, r, sched):
+    return self.waiting_key(r, sched)
+
+  def urgent(self, r: Request, now: float) -> bool:
+    return True  # VLT >= 0 holds for every waiting / rotary request (ReLU)
+
+  def victim_ok(self, r: Request, now: float) -> bool:
+    return now - r.state_time > 0  # VLT(r) = -(now - t_run) < 0
+
+  def schedule_step(self, sched, plan, now):
+    cfg = sched.config
+    bm = sched.bm
+    bx = cfg.proactive_swap_budget
+    grow, run_tokens = sched.running_needs()
+    b_hbm = bm.num_free_device_blocks - grow
+    if b_hbm >= sched.demand_blocks or bx == 0:
+      # No contention (or rotation disabled): FCFS-like, no proactive rotation.
+      sched.schedule_running(self.reactive_mode, swap_cap=bx)
+      for r in self.candidates(sched, now):
+        if sched.budget_left() <= 0 or sched.seats_left() <= 0:
+          break
+        if not sched.admit(r, cap=bx):
+          break
+      return
+    plan.contention = True
+    # --- 2. prioritize
+    bs = bm.block_size
+    b_used = 0
+    in_blocks = 0
+    tokens = sched.budget_left() - run_tokens
+    R = []
+    scanned = 0
+    skips = 0
+    max_skips = cfg.lvf_max_skips
+    for r in self.candidates(sched, now):
+      scanned += 1
+      if (scanned > cfg.lvf_scan_limit or skips >= max_skips or tokens <= 0
+          or len(R) >= cfg.max_num_seqs or b_used >= b_hbm + bx):
+        break
+      if r._touched_step == sched.step_id or r.inflight_samples:
+        continue
+      blk = -(-r.planned_tokens // bs)
+      limit = b_hbm + bx if self.urgent(r, now) else b_hbm
+      if b_used + blk > limit:
+        skips += 1
+        continue
+      if r.state is ROTARY:
+        nin = bm.blocks_to_swap_in(r.req_id)
+        if not (in_blocks + nin <= bx or in_blocks == 0):
+          skips += 1
+          continue
+      skips = 0
+      if r.state is ROTARY:
+        in_blocks += nin
+        tokens -= 1
+      else:
+        rem = r.planned_tokens - r.num_computed_tokens
+        tokens -= rem if rem < tokens else tokens
+      R.append(r)
+      b_used += blk
+    # --- 3. preempt from the tail of L (longest-running first)
+    b_swap = b_used - b_hbm
+    seats = len(R) - sched.seats_left()
+    victims = []
+    out_copies = 0
+    if b_swap > 0 or seats > 0:
+      for v in sched.running.values():
+        if b_swap <= 0 and seats <= 0:
+          break
+        if not self.victim_ok(v, now) or not sched.rotatable(v):
+          continue
+        copies = bm.swap_out_copies(v.req_id)
+        if not (out_copies + copies <= bx or out_copies == 0):
+          continue
+        victims.append(v)
+        out_copies += copies
+        b_swap -= bm.num_blocks(v.req_id)
+        seats -= 1
+    # --- 4. execute
+    for v in victims:
+      if not sched.rotate_out(v) and cfg.proactive_recompute:
+        sched.preempt(v)  # host pool full: fall back to recompute (opt-in; see SchedulerConfig)
+    sched.schedule_running(self.reactive_mode, swap_cap=bx)
+    for r in R:
+      if sched.budget_left() <= 0 or sched.seats_left() <= 0:
+        break
+      sched.admit(r, cap=bx)
+
+
+class WaitingFirst(RotationPolicy):
+  name = "wf"
+
+  def rotary_key(self, r, sched):
+    return (r.state_time,)
+
+  def candidates(self, sched, now):
+    return itertools.chain(sched.waiting.iter_requests(), sched.rotary.iter_requests())
+
+
+class SwappedFirst(WaitingFirst):
+  name = "sf"
+
+  def candidates(self, sched, now):
+    return itertools.chain(sched.rotary.iter_requests(), sched.waiting.iter_requests())
+
+
+class RotaSched(RotationPolicy):
+  """Largest-VLT-First. Queue keys are the VLT "zero points": VLT = ReLU(now - key) (x alpha for rotary)."""
+  name = "rotasched"
+
+  def waiting_key(self, r, sched):
+    cfg = sched.config
+    sf = r.ttft_slo if r.ttft_slo is not None else cfg.ttft_slo
+    return (r.arrival_time + cfg.beta_f * sf,)
+
+  def rotary_key(self, r, sched):
+    cfg = sched.config
+    sb = r.tbt_slo if r.tbt_slo is not None else cfg.tbt_slo
+    return (rotary_ref_time(r) + cfg.beta_b * sb,)
+
+  def candidates(self, sched, now):
+    alpha = sched.config.alpha
+
+    def wkey(e):
+      x = now - e[0][0]
+      return (-(x if x > 0 else 0.0), -x)
+
+    def rkey(e):
+      x = alpha * (now - e[0][0])
+      return (-(x if x > 0 else 0.0), -x)
+
+    merged = heapq.merge(sched.waiting.entries(), sched.rotary.entries(),
+                         key=lambda e: rkey(e) if e[2].state is ROTARY else wkey(e))
+    return (e[2] for e in merged)
+
+
+class EDF(RotationPolicy):
+  """Earliest SLO deadline first; only late candidates may displace running requests."""
+  name = "edf"
+
+  def waiting_key(self, r, sched):
+    sf = r.ttft_slo if r.ttft_slo is not None else sched.config.ttft_slo
+    return (r.arrival_time + sf,)
+
+  def rotary_key(self, r, sched):
+    sb = r.tbt_slo if r.tbt_slo is not None else sched.config.tbt_slo
+    return (rotary_ref_time(r) + sb,)
+
+  def candidates(self, sched, now):
+    merged = heapq.merge(sched.waiting.entries(), sched.rotary.entries(), key=lambda e: e[0])
+    return (e[2] for e in merged)
+
+  def urgent(self, r, now):
+    return r._qentry is not None and r._qentry[0][0] <= now
+
+
+class RotaSchedCode(Policy):
+  """The reference code's per-step algorithm (PAPER.md §2.2), for comparison with ``rotasched``."""
+  name = "rotasched_code"
+
+  def waiting_key(self, r, sched):
+    return (r.state_time,)  # in_waiting_since: arrival, or the time it was preempted
+
+  def preempted_key(self, r, sched):
+    return (r.state_time,)  # the fork appends preempted requests to the tail
+
+  def rotary_key(self, r, sched):
+    return (r.state_time,)  # in_waiting_since = the rotation time
+
+  def candidates(self, sched, now):
+    merged = heapq.merge(sched.waiting.entries(), sched.rotary.entries(), key=lambda e: e[0])
+    return (e[2] for e in merged)
+
+  def schedule_step(self, sched, plan, now):
+    cfg = sched.config
+    bm = sched.bm
+    b = cfg.proactive_swap_budget
+    rotated = False
+    if b > 0:
+      grow, _ = sched.running_needs()
+      if bm.num_free_device_blocks < grow + sched.demand_blocks:  # not can_hold_all
+        plan.contention = True
+        if bm.host_usage() < cfg.code_swap_host_gate and bm.num_free_device_blocks < b:
+          acc = 0
+          victims = []
+          for v in sched.running.values():  # longest running first
+            if not sched.rotatable(v):
+              continue
+            n = bm.num_blocks(v.req_id)
+            if acc + n >= b:
+              break
+            acc += n
+            victims.append(v)
+          for v in victims:
+            rotated |= sched.rotate_out(v)  # host full: it stays running
+    evicted = sched.schedule_running("recompute")
+    if evicted and not rotated:
+      return
+    for r in self.candidates(sched, now):
+      if sched.budget_left() <= 0 or sched.seats_left() <= 0:
+        break
+      if r.state is not ROTARY and bm.num_host_blocks and bm.host_usage() > cfg.code_admit_host_gate:
+        continue  # protect the DRAM pool: fresh requests wait
+      if not sched.admit(r):
+        break
+
+
+POLICIES = {p.name: p for p in (FCFS, FCFSSwap, WaitingFirst, SwappedFirst, RotaSched, RotaSchedCode, EDF)}
+
+
+def make_policy(name: str) -> Policy:
+  try:
+    return POLICIES[name]()
+  except KeyError:
+    raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}") from None

@@ -1,0 +1,617 @@
+"""The scheduler core: request queues, the step plan, lifecycle bookkeeping. Policies live in ``policies.py``.
+
+Public API
+----------
+``Scheduler(config: SchedulerConfig, block_manager: BlockManager, clock, policy="rotasched")``
+  ``policy`` is a name from ``policies.POLICIES`` (fcfs, fcfs_swap, wf, sf, rotasched, rotasched_code, edf)
+  or a ``Policy`` instance. ``clock`` is any object with ``now() -> float`` (``WallClock``, ``VirtualClock``).
+
+  * ``add_request(req: Request) -> None``: queue a new request (state WAITING). Raises ``ValueError`` if the id
+    is live already, or if the request can never fit the device pool
+    (``ceil((prompt_len + max_tokens - 1) / block_size) > num_device_blocks``).
+  * ``abort(req_id) -> bool``: end a live request (ABORTED) and release its blocks; False if unknown.
+  * ``schedule(lookahead=False) -> StepPlan``: plan the next step at ``clock.now()``. With ``lookahead=True``
+    at most one earlier plan may still be in flight (not yet passed to ``on_step_done``); each request in
+    flight that samples is assumed to gain exactly one token (PAPER.md §4.5). Without lookahead, no plan may
+    be in flight. The scheduler marks the plan's tokens computed in the block manager (ordering contract 2
+    of ``kv/block_manager.py``): the engine must dispatch the plan's model step (after issuing its copies)
+    before calling ``schedule()`` again.
+  * ``on_step_done(plan, new_tokens=None, finished=None, now=None) -> list[req_id]``: the step of ``plan``
+    finished. ``new_tokens[req_id]`` is the sampled token id of every seq with ``sample=True`` (missing or
+    None: lengths only, as in the simulator). ``finished[req_id] = reason`` ends requests the engine stopped
+    (EOS, stop string). Requests reaching ``max_tokens`` finish with reason "length". Stamps first/last token
+    times at ``now`` (default ``clock.now()``). Returns the ids that finished; under lookahead the engine must
+    drop them from the next plan's ``scheduled`` before dispatching it.
+  * ``pop_finished() -> list[Request]``: terminal requests since the last call (for metrics).
+  * Per-step counters are on the ``StepPlan`` (``plan.py``); cumulative ones in ``totals``.
+  * Queries: ``num_waiting``, ``num_running``, ``num_rotary``, ``num_unfinished``, ``has_unfinished()``,
+    ``get(req_id)``, ``running_ids()``, ``waiting_ids()``, ``rotary_ids()``, ``vlt(req_id)``,
+    ``totals`` (cumulative counters dict), ``check_invariants()``.
+
+Step structure (each policy composes these; see ``policies.py``)
+  1. optional proactive rotation (the policy picks running victims; swap_out; when the host pool is full,
+     clean host mirrors of other running requests are reclaimed first, and if that is not enough the victim
+     stays running, or is recompute-preempted with ``proactive_recompute=True``);
+  2. running requests in admission order get their next tokens (chunked prefill under
+     ``max_num_batched_tokens``); when one cannot grow, the last-admitted running request is evicted
+     (reactive preemption: recompute, or swap per policy with recompute as the fallback when the host pool
+     is full, the victim is mid-prefill or the B_xfer cap is spent);
+  3. admission of waiting / rotary requests in the policy's order, within the token budget, free device
+     blocks, ``max_num_seqs`` and the swap-in budget;
+  4. eager write-back pairs are taken last, then the plan's tokens are marked computed.
+
+Invariants (``check_invariants``): every live request is in exactly one of running / waiting (WAITING or
+PREEMPTED) / rotary matching its state; RUNNING <=> resident in the block manager with
+``num_tokens == num_computed_tokens``; ROTARY <=> swapped in the block manager; WAITING/PREEMPTED <=> no
+blocks and ``num_computed_tokens == 0``; the incremental demand equals the sum over waiting + rotary;
+``len(running) <= max_num_seqs``; the block manager's own invariants hold.
+Rules every policy obeys: a request is never rotated out and in within one step; mid-prefill requests are
+never rotated (a mid-prefill victim is preempted by recompute): a request is rotatable only when exactly one
+of its tokens lacks KV *and* it has sampled a token since it last entered RUNNING, which also guarantees
+progress between two evictions of the same request (no livelock); a request moved this step is not moved
+again in the same step; proactive swap volume is capped by ``proactive_swap_budget`` (B_xfer) in each direction,
+except that a single request larger than B_xfer may move alone (otherwise it could never come back).
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Hashable, Iterable, Iterator
+
+from superinfer_jax.kv.block_manager import BlockManager
+from superinfer_jax.sched import vlt as vlt_lib
+from superinfer_jax.sched.plan import ScheduledSeq, StepPlan
+from superinfer_jax.sched.request import Request, RequestState
+
+RUNNING = RequestState.RUNNING
+WAITING = RequestState.WAITING
+ROTARY = RequestState.ROTARY
+PREEMPTED = RequestState.PREEMPTED
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+  """Scheduler knobs. Defaults are the paper's (PAPER.md §1.2, §2.2 table)."""
+  max_num_seqs: int = 256
+  max_num_batched_tokens: int = 8192
+  proactive_swap_budget: int = 2400  # B_xfer, blocks per step and direction; 0 disables proactive rotation
+  alpha: float = 3.0
+  beta_b: float = 0.0
+  beta_f: float = 0.5
+  ttft_slo: float = 5.0  # S_F, seconds
+  tbt_slo: float = 0.1  # S_B, seconds
+  enable_writeback: bool = True  # eager write-back of full blocks (PAPER.md §4.4)
+  max_writeback_blocks: int | None = None  # per step; None = all pending
+  # Host blocks eager write-back leaves free for rotations (None: proactive_swap_budget). Mirrors of running
+  # requests are reclaimed when a rotation needs room, so this only limits churn.
+  writeback_min_free_host: int | None = None
+  lvf_scan_limit: int = 1024  # candidates Algorithm 1 examines per step (bounds per-step work)
+  lvf_max_skips: int = 64  # ... and it stops after this many consecutive candidates that do not fit
+  # Host pool full when a *proactive* victim should rotate out: False = it keeps running (no KV is thrown
+  # away to make room for an optional rotation); True = recompute preemption (the literal reading of "rotation
+  # falls back to recompute"; under contention with a tiny host pool it re-prefills a victim every few steps).
+  # The reactive path (a running request cannot grow) always falls back to recompute.
+  proactive_recompute: bool = False
+  code_swap_host_gate: float = 0.95  # rotasched_code: proactive swap-out only below this host usage
+  code_admit_host_gate: float = 0.9  # rotasched_code: fresh requests admitted only below this host usage
+
+  def __post_init__(self):
+    if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+      raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+    if self.proactive_swap_budget < 0:
+      raise ValueError("proactive_swap_budget must be >= 0")
+
+  def vlt_kwargs(self) -> dict:
+    return dict(alpha=self.alpha, beta_b=self.beta_b, beta_f=self.beta_f, ttft_slo=self.ttft_slo,
+                tbt_slo=self.tbt_slo)
+
+
+class SortedQueue:
+  """Requests sorted by a key fixed at push time (ascending = head). O(log n) search + memmove updates."""
+
+  def __init__(self):
+    self._items: list = []
+    self._seq = 0
+
+  def push(self, r: Request, key) -> None:
+    self._seq += 1
+    entry = (key, self._seq, r)
+    bisect.insort(self._items, entry)
+    r._qentry = entry
+
+  def remove(self, r: Request) -> None:
+    entry = r._qentry
+    i = bisect.bisect_left(self._items, entry)
+    if i >= len(self._items) or self._items[i] is not entry:
+      raise KeyError(f"{r!r} not in this queue")
+    del self._items[i]
+    r._qentry = None
+
+  def __len__(self) -> int:
+    return len(self._items)
+
+  def __bool__(self) -> bool:
+    return bool(self._items)
+
+  def requests(self) -> list[Request]:
+    """A snapshot, head first (safe to iterate while the queue changes)."""
+    return [e[2] for e in self._items]
+
+  def iter_requests(self) -> Iterator[Request]:
+    """Lazy head-first iteration over a snapshot (O(1) Python work per request actually consumed)."""
+    return (e[2] for e in list(self._items))
+
+  def entries(self) -> list:
+    """Snapshot of ``(key, seq, request)`` entries, head first."""
+    return list(self._items)
+
+  def head(self) -> Request | None:
+    return self._items[0][2] if self._items else None
+
+
+class Scheduler:
+  """One scheduler core with a pluggable policy. See the module docstring for the API and invariants."""
+
+  def __init__(self, config: SchedulerConfig, block_manager: BlockManager, clock, policy="rotasched"):
+    from superinfer_jax.sched.policies import make_policy  # avoid an import cycle
+    self.config = config
+    self.bm = block_manager
+    self.clock = clock
+    self.policy = make_policy(policy) if isinstance(policy, str) else policy
+    self.requests: dict[Hashable, Request] = {}
+    self.running: dict[Hashable, Request] = {}  # admission order == t_run order
+    self.waiting = SortedQueue()  # WAITING + PREEMPTED, policy order
+    self.rotary = SortedQueue()  # ROTARY, policy order
+    self._demand = 0  # sum of blocks_for(planned_tokens) over waiting + rotary
+    self._step = 0
+    self._inflight: list[int] = []
+    self._admit_counter = 0
+    self._finished: list[Request] = []
+    self.totals = dict(steps=0, rotations_out=0, rotations_in=0, blocks_out=0, blocks_in=0,
+                       blocks_writeback=0, recompute_preemptions=0, admitted=0, finished=0, aborted=0,
+                       scheduled_tokens=0)
+    # per-step context
+    self._plan: StepPlan | None = None
+    self._now = 0.0
+    self._budget = 0
+    self._out_moved = 0
+    self._in_moved = 0
+
+  # ------------------------------------------------------------------ queries
+  @property
+  def num_waiting(self) -> int:
+    return len(self.waiting)
+
+  @property
+  def num_running(self) -> int:
+    return len(self.running)
+
+  @property
+  def num_rotary(self) -> int:
+    return len(self.rotary)
+
+  @property
+  def num_unfinished(self) -> int:
+    return len(self.requests)
+
+  @property
+  def step_id(self) -> int:
+    return self._step
+
+  @property
+  def demand_blocks(self) -> int:
+    return self._demand
+
+  def has_unfinished(self) -> bool:
+    return bool(self.requests)
+
+  def get(self, req_id) -> Request | None:
+    return self.requests.get(req_id)
+
+  def running_ids(self) -> list:
+    return list(self.running)
+
+  def waiting_ids(self) -> list:
+    return [r.req_id for r in self.waiting.requests()]
+
+  def rotary_ids(self) -> list:
+    return [r.req_id for r in self.rotary.requests()]
+
+  def vlt(self, req_id, now: float | None = None) -> float:
+    return vlt_lib.vlt(self.requests[req_id], self.clock.now() if now is None else now,
+                       **self.config.vlt_kwargs())
+
+  def pop_finished(self) -> list[Request]:
+    out, self._finished = self._finished, []
+    return out
+
+  def blocks_for(self, num_tokens: int) -> int:
+    return -(-num_tokens // self.bm.block_size)
+
+  # ------------------------------------------------------------------ lifecycle
+  def add_request(self, req: Request) -> None:
+    if req.req_id in self.requests:
+      raise ValueError(f"request {req.req_id!r} is already live")
+    need = self.blocks_for(req.prompt_len + req.max_tokens - 1)
+    if need > self.bm.num_device_blocks:
+      raise ValueError(
+          f"request {req.req_id!r} can never fit: prompt_len {req.prompt_len} + max_tokens {req.max_tokens} "
+          f"needs {need} device blocks of {self.bm.block_size} tokens, the pool has {self.bm.num_device_blocks}")
+    if req.state is not WAITING or req.num_generated or req.num_computed_tokens:
+      raise ValueError(f"request {req.req_id!r} must be fresh (WAITING, nothing generated)")
+    self.requests[req.req_id] = req
+    req.state_time = req.arrival_time
+    self._enqueue_waiting(req, preempted=False)
+
+  def abort(self, req_id) -> bool:
+    r = self.requests.get(req_id)
+    if r is None:
+      return False
+    self._finish(r, "abort", self.clock.now(), aborted=True)
+    return True
+
+  def _enqueue_waiting(self, r: Request, preempted: bool) -> None:
+    key = self.policy.preempted_key(r, self) if preempted else self.policy.waiting_key(r, self)
+    self.waiting.push(r, key)
+    r._demand = self.blocks_for(r.planned_tokens)
+    self._demand += r._demand
+
+  def _enqueue_rotary(self, r: Request) -> None:
+    self.rotary.push(r, self.policy.rotary_key(r, self))
+    r._demand = self.blocks_for(r.planned_tokens)
+    self._demand += r._demand
+
+  def _dequeue(self, r: Request) -> None:
+    if r.state is ROTARY:
+      self.rotary.remove(r)
+    else:
+      self.waiting.remove(r)
+    self._demand -= r._demand
+    r._demand = 0
+
+  def _finish(self, r: Request, reason: str, now: float, aborted: bool = False) -> None:
+    if r.state is RUNNING:
+      del self.running[r.req_id]
+    elif r._qentry is not None:
+      self._dequeue(r)
+    self.bm.free(r.req_id)
+    r.state = RequestState.ABORTED if aborted else RequestState.FINISHED
+    r.state_time = now
+    r.finish_time = now
+    r.finish_reason = reason
+    del self.requests[r.req_id]
+    self._finished.append(r)
+    self.totals["aborted" if aborted else "finished"] += 1
+
+  # ------------------------------------------------------------------ schedule
+  def schedule(self, lookahead: bool = False) -> StepPlan:
+    if self._inflight and not lookahead:
+      raise RuntimeError(f"plan(s) {self._inflight} still in flight; call on_step_done first or use lookahead")
+    if len(self._inflight) > 1:
+      raise RuntimeError("lookahead depth is 1: two plans are already in flight")
+    now = self.clock.now()
+    plan = StepPlan(step_id=self._step, time=now, lookahead=bool(self._inflight))
+    self._plan = plan
+    self._now = now
+    self._budget = self.config.max_num_batched_tokens
+    self._out_moved = 0
+    self._in_moved = 0
+    self.policy.schedule_step(self, plan, now)
+    self._finalize(plan)
+    self._plan = None
+    self._inflight.append(plan.step_id)
+    self._step += 1
+    return plan
+
+  def _finalize(self, plan: StepPlan) -> None:
+    cfg = self.config
+    bm = self.bm
+    if cfg.enable_writeback:
+      reserve = cfg.writeback_min_free_host
+      if reserve is None:
+        reserve = cfg.proactive_swap_budget
+      plan.writeback = bm.take_writebacks(cfg.max_writeback_blocks, reserve)
+    reqs = self.requests
+    total = 0
+    for seq in plan.scheduled:
+      r = reqs[seq.req_id]
+      new = seq.num_computed_tokens + seq.num_new_tokens
+      bm.mark_computed(seq.req_id, new)
+      r.num_computed_tokens = new
+      if seq.sample:
+        r.inflight_samples += 1
+      total += seq.num_new_tokens
+    plan.num_batched_tokens = total
+    t = self.totals
+    t["steps"] += 1
+    t["rotations_out"] += len(plan.rotated_out)
+    t["rotations_in"] += len(plan.rotated_in)
+    t["blocks_out"] += len(plan.swap_out)
+    t["blocks_in"] += len(plan.swap_in)
+    t["blocks_writeback"] += len(plan.writeback)
+    t["recompute_preemptions"] += len(plan.preempted)
+    t["admitted"] += len(plan.admitted)
+    t["scheduled_tokens"] += total
+
+  # ---- building blocks used by policies -------------------------------------
+  def will_finish(self, r: Request) -> bool:
+    """True when in-flight samples already take the request to max_tokens (do not schedule it again)."""
+    return r.num_generated + r.inflight_samples >= r.max_tokens
+
+  def rotatable(self, r: Request) -> bool:
+    """A running request may be rotated out now: decode phase (one token without KV, and it has sampled a
+    token since it last entered RUNNING, so a prefill, first or recompute, is never interrupted and every
+    rotation follows progress), and not moved earlier in this step."""
+    return (r.planned_tokens - r.num_computed_tokens == 1 and r._touched_step != self._step
+            and r.num_generated + r.inflight_samples > r._gen_at_admit)
+
+  def budget_left(self) -> int:
+    return self._budget
+
+  def seats_left(self) -> int:
+    return self.config.max_num_seqs - len(self.running)
+
+  def running_needs(self) -> tuple[int, int]:
+    """(device blocks, tokens) running requests need this step, in admission order under the token budget."""
+    budget = self._budget
+    blocks = 0
+    bs = self.bm.block_size
+    for r in self.running.values():
+      if budget <= 0:
+        break
+      rem = r.planned_tokens - r.num_computed_tokens
+      if rem <= 0 or r.num_generated + r.inflight_samples >= r.max_tokens:
+        continue
+      n = rem if rem < budget else budget
+      # Resident: the manager covers exactly num_computed_tokens slots.
+      have = -(-r.num_computed_tokens // bs)
+      need = -(-(r.num_computed_tokens + n) // bs) - have
+      blocks += need
+      budget -= n
+    return blocks, self._budget - budget
+
+  def _emit(self, r: Request, n: int) -> None:
+    seq = ScheduledSeq(r.req_id, n, r.num_computed_tokens, self.bm.block_table(r.req_id),
+                       r.num_computed_tokens + n == r.planned_tokens)
+    self._plan.scheduled.append(seq)
+    self._budget -= n
+
+  def schedule_running(self, reactive_mode: str = "recompute", swap_cap: int | None = None) -> bool:
+    """Step 2: give running requests their tokens; evict the last-admitted one when memory runs out.
+
+    Returns True if any reactive eviction happened. ``reactive_mode`` is "recompute" or "swap" (swap falls back
+    to recompute for mid-prefill victims, when ``swap_cap`` would be exceeded, or when the host pool is full).
+    """
+    bm = self.bm
+    evicted = False
+    for r in list(self.running.values()):
+      if r.state is not RUNNING or r._touched_step == self._step:
+        continue  # evicted in this loop, or admitted/rotated in this step (already scheduled)
+      if self._budget <= 0:
+        break
+      rem = r.planned_tokens - r.num_computed_tokens
+      if rem <= 0 or self.will_finish(r):
+        continue
+      n = rem if rem < self._budget else self._budget
+      while not bm.append_slots(r.req_id, n):
+        victim = self._reactive_victim(r, reactive_mode, swap_cap)
+        self.evict(victim, reactive_mode, swap_cap)
+        evicted = True
+        if victim is r:
+          break
+      else:
+        self._emit(r, n)
+    return evicted
+
+  def _reactive_victim(self, r: Request, mode: str, swap_cap: int | None) -> Request:
+    """The last-admitted running request; in swap mode, the last-admitted one that can be rotated (not yet
+    scheduled this step, decode phase, copies within ``swap_cap``), so that KV is parked rather than dropped."""
+    last = next(reversed(self.running.values()))
+    if mode != "swap" or (self.rotatable(last) and last is not r):
+      return last
+    for v in reversed(self.running.values()):
+      if v is r:
+        break  # requests before r were scheduled already this step
+      if self.rotatable(v) and self.out_fits(self.bm.swap_out_copies(v.req_id), swap_cap):
+        return v
+    return last
+
+  def evict(self, r: Request, mode: str, swap_cap: int | None = None) -> str:
+    """Evicts a running request: rotate out if ``mode == "swap"`` and allowed, else recompute preemption."""
+    if mode == "swap" and self.rotatable(r):  # mid-prefill victims are recomputed, never rotated
+      if swap_cap is None or self.out_fits(self.bm.swap_out_copies(r.req_id), swap_cap):
+        if self.rotate_out(r):
+          return "swap"
+    self.preempt(r)
+    return "recompute"
+
+  def out_fits(self, copies: int, cap: int | None) -> bool:
+    return cap is None or self._out_moved + copies <= cap or self._out_moved == 0
+
+  def in_fits(self, blocks: int, cap: int | None) -> bool:
+    return cap is None or self._in_moved + blocks <= cap or self._in_moved == 0
+
+  def rotate_out(self, r: Request) -> bool:
+    """Running -> ROTARY (KV to host). False (no change) if the host pool lacks room."""
+    assert r.state is RUNNING and self.rotatable(r), r
+    pairs = self.bm.swap_out(r.req_id)
+    if pairs is None and self._reclaim_host_mirrors(self.bm.blocks_to_swap_out(r.req_id), r):
+      pairs = self.bm.swap_out(r.req_id)
+    if pairs is None:
+      return False
+    plan = self._plan
+    plan.swap_out.extend(pairs)
+    plan.rotated_out.append(r.req_id)
+    self._out_moved += len(pairs)
+    del self.running[r.req_id]
+    r.state = ROTARY
+    r.state_time = self._now
+    r._touched_step = self._step
+    r.num_rotations += 1
+    self._enqueue_rotary(r)
+    return True
+
+  def _reclaim_host_mirrors(self, need: int, keep: Request) -> bool:
+    """Frees host blocks held by clean mirrors of running requests (most recently admitted first) until
+    ``need`` are free. Mirrors are redundant copies, so nothing is lost; requests moved in this step are
+    skipped (their host blocks are this step's H2D sources: ordering contract 3). True if enough are free."""
+    bm = self.bm
+    if need > bm.num_free_host_blocks + bm.reclaimable_host_blocks():
+      return False
+    for v in reversed(self.running.values()):
+      if bm.num_free_host_blocks >= need:
+        break
+      if v is keep or v._touched_step == self._step:
+        continue
+      bm.drop_host_mirrors(v.req_id)
+    return bm.num_free_host_blocks >= need
+
+  def preempt(self, r: Request) -> None:
+    """Running -> PREEMPTED: drop the KV (recompute later)."""
+    assert r.state is RUNNING, r
+    self.bm.free(r.req_id)
+    del self.running[r.req_id]
+    r.num_computed_tokens = 0
+    r.state = PREEMPTED
+    r.state_time = self._now
+    r._touched_step = self._step
+    r.num_preemptions += 1
+    self._plan.preempted.append(r.req_id)
+    self._enqueue_waiting(r, preempted=True)
+
+  def swap_in(self, r: Request, cap: int | None = None) -> bool:
+    """ROTARY -> RUNNING and schedule its pending token. False (no change) if it does not fit now."""
+    assert r.state is ROTARY, r
+    if r._touched_step == self._step or r.inflight_samples:
+      return False  # never rotated out and in within one step
+    n = r.planned_tokens - r.num_computed_tokens
+    if n <= 0 or n > self._budget or len(self.running) >= self.config.max_num_seqs:
+      return False
+    bm = self.bm
+    nblk = bm.blocks_to_swap_in(r.req_id)
+    if not self.in_fits(nblk, cap):
+      return False
+    need = self.blocks_for(r.num_computed_tokens + n)
+    if need > bm.num_free_device_blocks:
+      return False
+    pairs = bm.swap_in(r.req_id)
+    ok = bm.append_slots(r.req_id, n)
+    assert pairs is not None and ok
+    self._dequeue(r)
+    plan = self._plan
+    plan.swap_in.extend(pairs)
+    plan.rotated_in.append(r.req_id)
+    self._in_moved += len(pairs)
+    self._to_running(r)
+    self._emit(r, n)
+    return True
+
+  def admit_waiting(self, r: Request) -> bool:
+    """WAITING/PREEMPTED -> RUNNING with a prefill chunk. False (no change) if it does not fit now."""
+    assert r.state in (WAITING, PREEMPTED), r
+    if r._touched_step == self._step or r.inflight_samples:
+      return False
+    rem = r.planned_tokens - r.num_computed_tokens
+    n = rem if rem < self._budget else self._budget
+    if n <= 0 or len(self.running) >= self.config.max_num_seqs:
+      return False
+    if not self.bm.append_slots(r.req_id, n):
+      return False
+    self._dequeue(r)
+    self._plan.admitted.append(r.req_id)
+    self._to_running(r)
+    self._emit(r, n)
+    return True
+
+  def admit(self, r: Request, cap: int | None = None) -> bool:
+    if r.state is ROTARY:
+      return self.swap_in(r, cap)
+    return self.admit_waiting(r)
+
+  def _to_running(self, r: Request) -> None:
+    r.state = RUNNING
+    r.state_time = self._now
+    r._touched_step = self._step
+    self._admit_counter += 1
+    r._admit_seq = self._admit_counter
+    r._gen_at_admit = r.num_generated + r.inflight_samples
+    self.running[r.req_id] = r
+
+  # ------------------------------------------------------------------ step done
+  def on_step_done(self, plan: StepPlan, new_tokens: dict | None = None, finished: dict | None = None,
+                   now: float | None = None) -> list:
+    if not self._inflight or self._inflight[0] != plan.step_id:
+      raise RuntimeError(f"on_step_done for step {plan.step_id}, but in flight: {self._inflight}")
+    self._inflight.pop(0)
+    if now is None:
+      now = self.clock.now()
+    done = []
+    reqs = self.requests
+    for seq in plan.scheduled:
+      if not seq.sample:
+        continue
+      r = reqs.get(seq.req_id)
+      if r is None:
+        continue  # finished or aborted meanwhile
+      r.inflight_samples -= 1
+      if r.output_token_ids is not None:
+        r.output_token_ids.append(new_tokens.get(seq.req_id) if new_tokens else None)
+      queued = r._qentry is not None
+      if queued:
+        self._dequeue(r)
+      r.num_generated += 1
+      if r.first_token_time is None:
+        r.first_token_time = now
+      else:
+        gap = now - r.last_token_time
+        if gap > r.tbt_max:
+          r.tbt_max = gap
+      r.last_token_time = now
+      if queued:  # lookahead: a request rotated/preempted while in flight; its key or demand may change
+        if r.state is ROTARY:
+          self._enqueue_rotary(r)
+        else:
+          self._enqueue_waiting(r, preempted=r.state is PREEMPTED)
+      if r.num_generated >= r.max_tokens:
+        self._finish(r, "length", now)
+        done.append(r.req_id)
+    if finished:
+      for rid, reason in finished.items():
+        r = reqs.get(rid)
+        if r is not None:
+          self._finish(r, reason, now)
+          done.append(rid)
+    return done
+
+  # ------------------------------------------------------------------ invariants
+  def check_invariants(self) -> None:
+    bm = self.bm
+    bm.check_invariants()
+    seen = set()
+    for rid, r in self.running.items():
+      assert r.state is RUNNING and r._qentry is None, r
+      assert bm.has_request(rid) and not bm.is_swapped(rid), r
+      assert bm.num_tokens(rid) == r.num_computed_tokens == bm.num_computed(rid), (r, bm.num_tokens(rid))
+      seen.add(rid)
+    demand = 0
+    for r in self.waiting.requests():
+      assert r.state in (WAITING, PREEMPTED), r
+      assert not bm.has_request(r.req_id) and r.num_computed_tokens == 0, r
+      assert r.req_id not in seen, r
+      seen.add(r.req_id)
+      demand += r._demand
+      assert r._demand == self.blocks_for(r.planned_tokens), r
+    for r in self.rotary.requests():
+      assert r.state is ROTARY, r
+      assert bm.has_request(r.req_id) and bm.is_swapped(r.req_id), r
+      assert bm.num_computed(r.req_id) == r.num_computed_tokens, r
+      assert r.planned_tokens - r.num_computed_tokens == 1, r  # rotary requests are in decode phase
+      assert r.req_id not in seen, r
+      seen.add(r.req_id)
+      demand += r._demand
+    assert seen == set(self.requests), "queues and the live set differ"
+    assert demand == self._demand, (demand, self._demand)
+    assert len(self.running) <= self.config.max_num_seqs
+    assert bm.num_requests == len(self.running) + len(self.rotary), "block manager holds stray requests"
+    for r in self.requests.values():
+      assert 0 <= r.inflight_samples <= len(self._inflight) and r.num_generated < r.max_tokens, r

@@ -1,0 +1,268 @@
+"""Unit tests for the KV block manager (superinfer_jax/kv/block_manager.py)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from superinfer_jax.kv.block_manager import BlockManager
+from superinfer_jax.kv.layout import PADDING_BLOCK
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_pools_and_padding_block():
+  bm = BlockManager(4, 3, block_size=4)
+  assert bm.num_free_device_blocks == 4 and bm.num_free_host_blocks == 3
+  assert bm.append_slots("a", 16)  # exactly the whole pool
+  assert sorted(bm.block_table("a")) == [1, 2, 3, 4]
+  assert PADDING_BLOCK not in bm.block_table("a")
+  assert bm.num_free_device_blocks == 0 and bm.device_usage() == 1.0
+  assert not bm.append_slots("a", 1)
+  bm.check_invariants()
+
+
+def test_append_all_or_nothing_and_growth_queries():
+  bm = BlockManager(3, 0, block_size=4)
+  assert bm.blocks_to_grow("a", 5) == 2
+  assert bm.append_slots("a", 5)
+  assert bm.blocks_to_grow("a", 8) == 0 and bm.blocks_to_grow("a", 9) == 1 and bm.blocks_to_grow("a", 13) == 2
+  assert bm.append_slots("a", 3)  # fills block 2, no allocation
+  assert bm.num_blocks("a") == 2 and bm.num_free_device_blocks == 1
+  assert not bm.append_slots("a", 5)  # needs 2, has 1: nothing changes
+  assert bm.num_tokens("a") == 8 and bm.num_free_device_blocks == 1
+  assert not bm.append_slots("b", 5)  # a new request that does not fit is not created
+  assert "b" not in bm
+  bm.check_invariants()
+
+
+def test_mark_computed_bounds():
+  bm = BlockManager(4, 4, block_size=4)
+  bm.append_slots("a", 6)
+  bm.mark_computed("a", 3)
+  with pytest.raises(ValueError):
+    bm.mark_computed("a", 2)  # decreasing
+  with pytest.raises(ValueError):
+    bm.mark_computed("a", 7)  # beyond the slots
+  bm.mark_computed("a", 6)
+  assert bm.num_computed("a") == 6
+
+
+def test_eager_writeback_only_full_computed_blocks():
+  bm = BlockManager(8, 8, block_size=4)
+  bm.append_slots("a", 10)  # 3 blocks
+  assert bm.take_writebacks() == []  # nothing computed
+  bm.mark_computed("a", 3)
+  assert bm.take_writebacks() == []  # block 0 not full yet
+  bm.mark_computed("a", 9)  # blocks 0 and 1 full, block 2 partial
+  dev = bm.block_table("a")
+  wb = bm.take_writebacks()
+  assert [d for d, _ in wb] == dev[:2]
+  assert len({h for _, h in wb}) == 2
+  assert bm.take_writebacks() == []  # now clean: not copied twice
+  assert bm.num_free_host_blocks == 6
+  bm.check_invariants()
+
+
+def test_writeback_max_blocks_and_host_room():
+  bm = BlockManager(8, 2, block_size=2)
+  bm.append_slots("a", 8)
+  bm.mark_computed("a", 8)  # 4 full blocks
+  assert len(bm.take_writebacks(max_blocks=1)) == 1
+  assert bm.take_writebacks(min_free_host=1) == []  # would leave 0 < 1 free
+  assert len(bm.take_writebacks()) == 1  # host pool now full
+  assert bm.take_writebacks() == [] and bm.pending_writebacks() == 2  # kept for later, not lost
+  bm.check_invariants()
+
+
+def test_swap_out_copies_only_dirty_tail_after_writeback():
+  bm = BlockManager(8, 8, block_size=4)
+  bm.append_slots("a", 10)
+  bm.mark_computed("a", 10)
+  dev = bm.block_table("a")
+  wb = bm.take_writebacks()
+  assert len(wb) == 2
+  assert bm.blocks_to_swap_out("a") == 1 and bm.swap_out_copies("a") == 1
+  pairs = bm.swap_out("a")
+  assert len(pairs) == 1 and pairs[0][0] == dev[2]  # only the dirty tail block
+  assert bm.is_swapped("a")
+  assert bm.num_free_device_blocks == 8  # all device blocks freed
+  with pytest.raises(ValueError):
+    bm.block_table("a")
+  bm.check_invariants()
+
+
+def test_swap_out_without_writeback_copies_everything():
+  bm = BlockManager(8, 8, block_size=4)
+  bm.append_slots("a", 10)
+  bm.mark_computed("a", 10)
+  dev = bm.block_table("a")
+  pairs = bm.swap_out("a")
+  assert [d for d, _ in pairs] == dev
+  assert bm.host_block_table("a") == [h for _, h in pairs]
+
+
+def test_swap_out_drops_uncomputed_slots():
+  bm = BlockManager(8, 8, block_size=4)
+  bm.append_slots("a", 9)
+  bm.mark_computed("a", 4)  # block 1 and 2 hold no computed token
+  pairs = bm.swap_out("a")
+  assert len(pairs) == 1
+  assert bm.num_tokens("a") == 4 and bm.num_blocks("a") == 1
+  bm.check_invariants()
+
+
+def test_swap_in_keeps_clean_mirrors_and_next_swap_out_copies_only_tail():
+  bm = BlockManager(8, 8, block_size=4)
+  bm.append_slots("a", 10)
+  bm.mark_computed("a", 10)
+  out = bm.swap_out("a")
+  host = bm.host_block_table("a")
+  assert bm.blocks_to_swap_in("a") == 3
+  pairs = bm.swap_in("a")
+  assert [h for h, _ in pairs] == host
+  assert [d for _, d in pairs] == bm.block_table("a")
+  assert len(out) == 3
+  assert bm.swap_out_copies("a") == 0  # nothing changed since: clean
+  bm.append_slots("a", 1)
+  bm.mark_computed("a", 11)
+  assert bm.swap_out_copies("a") == 1 and bm.blocks_to_swap_out("a") == 0
+  again = bm.swap_out("a")
+  assert len(again) == 1 and again[0][1] == host[2]  # the stale tail copy is overwritten in place
+  bm.check_invariants()
+
+
+def test_tail_block_filled_after_swap_in_is_written_back_to_same_host_block():
+  bm = BlockManager(8, 8, block_size=4)
+  bm.append_slots("a", 6)
+  bm.mark_computed("a", 6)
+  bm.swap_out("a")
+  host = bm.host_block_table("a")
+  bm.swap_in("a")
+  bm.append_slots("a", 2)
+  bm.mark_computed("a", 8)
+  wb = bm.take_writebacks()
+  assert wb == [(bm.block_table("a")[1], host[1])]
+  bm.check_invariants()
+
+
+def test_swap_out_host_full_returns_none_and_changes_nothing():
+  bm = BlockManager(8, 2, block_size=4)
+  bm.append_slots("a", 12)
+  bm.mark_computed("a", 12)
+  table = bm.block_table("a")
+  assert bm.swap_out("a") is None
+  assert not bm.is_swapped("a") and bm.block_table("a") == table
+  assert bm.num_free_host_blocks == 2 and bm.num_free_device_blocks == 5
+  bm.check_invariants()
+
+
+def test_swap_in_device_full_returns_none_and_changes_nothing():
+  bm = BlockManager(3, 8, block_size=4)
+  bm.append_slots("a", 12)
+  bm.mark_computed("a", 12)
+  bm.swap_out("a")
+  assert bm.append_slots("b", 4)
+  assert bm.swap_in("a") is None
+  assert bm.is_swapped("a") and bm.num_free_device_blocks == 2
+  bm.free("b")
+  assert len(bm.swap_in("a")) == 3
+  bm.check_invariants()
+
+
+def test_freed_device_block_reused_in_same_step():
+  # Ordering contract 1: gathers of a step happen before its scatters, so a block freed by swap_out may be
+  # the swap_in target of another request within the same step.
+  bm = BlockManager(2, 8, block_size=4)
+  bm.append_slots("a", 4)
+  bm.mark_computed("a", 4)
+  bm.swap_out("a")
+  bm.append_slots("b", 8)
+  bm.mark_computed("b", 8)
+  out = bm.swap_out("b")
+  inn = bm.swap_in("a")
+  assert {d for d, _ in out} & {d for _, d in inn}  # a freed block is reused
+  bm.check_invariants()
+
+
+def test_free_releases_everything_and_is_idempotent():
+  bm = BlockManager(4, 4, block_size=4)
+  bm.append_slots("a", 8)
+  bm.mark_computed("a", 8)
+  bm.take_writebacks()
+  bm.free("a")
+  bm.free("a")
+  bm.free("never-existed")
+  assert bm.num_free_device_blocks == 4 and bm.num_free_host_blocks == 4 and bm.num_requests == 0
+  assert bm.pending_writebacks() == 0
+  bm.check_invariants()
+
+
+def test_free_drops_pending_writebacks():
+  bm = BlockManager(4, 4, block_size=4)
+  bm.append_slots("a", 8)
+  bm.mark_computed("a", 8)
+  assert bm.pending_writebacks() == 2
+  bm.free("a")
+  assert bm.take_writebacks() == []
+
+
+def test_drop_host_mirrors_requeues_full_blocks():
+  bm = BlockManager(4, 4, block_size=4)
+  bm.append_slots("a", 6)
+  bm.mark_computed("a", 6)
+  bm.swap_out("a")
+  bm.swap_in("a")
+  assert bm.drop_host_mirrors("a") == 2
+  assert bm.num_free_host_blocks == 4
+  assert bm.pending_writebacks() == 1  # block 0 is full: write it back again
+  bm.check_invariants()
+
+
+def test_swapped_request_rejects_device_ops():
+  bm = BlockManager(4, 4, block_size=4)
+  bm.append_slots("a", 4)
+  bm.mark_computed("a", 4)
+  bm.swap_out("a")
+  with pytest.raises(ValueError):
+    bm.append_slots("a", 1)
+  with pytest.raises(ValueError):
+    bm.swap_out("a")
+  with pytest.raises(ValueError):
+    bm.mark_computed("a", 4)
+
+
+@pytest.mark.parametrize("corrupt", ["double_owner", "ref", "free_list", "cover", "wb"])
+def test_check_invariants_detects_corruption(corrupt):
+  bm = BlockManager(6, 6, block_size=4)
+  bm.append_slots("a", 8)
+  bm.append_slots("b", 4)
+  bm.mark_computed("a", 8)
+  bm.check_invariants()
+  s = bm._seqs["a"]
+  if corrupt == "double_owner":
+    bm._seqs["b"].dev[0] = s.dev[0]
+  elif corrupt == "ref":
+    bm._dev_ref[s.dev[0]] = 2
+  elif corrupt == "free_list":
+    bm._dev_free.append(s.dev[0])
+  elif corrupt == "cover":
+    s.num_tokens = 9
+  elif corrupt == "wb":
+    bm._wb.clear()
+  with pytest.raises(AssertionError):
+    bm.check_invariants()
+
+
+def test_no_jax_import():
+  """The block manager and the scheduler package import with JAX blocked."""
+  code = ("import sys; sys.modules['jax'] = None; sys.modules['jaxlib'] = None\n"
+          "import superinfer_jax.kv.block_manager\n"
+          "import importlib, pkgutil, superinfer_jax.sched as p\n"
+          "for m in pkgutil.walk_packages(p.__path__, p.__name__ + '.'):\n"
+          "  importlib.import_module(m.name)\n"
+          "assert 'jax' not in [k for k, v in sys.modules.items() if v is not None and k.split('.')[0] == 'jax']\n"
+          "print('ok')\n")
+  env = dict(os.environ, PYTHONPATH=REPO)
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
+  assert r.returncode == 0 and "ok" in r.stdout, r.stderr

@@ -1,0 +1,425 @@
+"""Hand-worked scheduler tests: VLT values, the paper's conceptual example, baseline orders, B_xfer, lookahead."""
+import pytest
+
+from superinfer_jax.kv.block_manager import BlockManager
+from superinfer_jax.sched import (POLICIES, Request, RequestState, Scheduler, SchedulerConfig, VirtualClock,
+                                  WallClock, vlt)
+
+KW = dict(alpha=3.0, beta_b=0.0, beta_f=0.5, ttft_slo=5.0, tbt_slo=0.1)
+
+
+def make(policy, dev=8, host=32, bs=4, **cfg):
+  clk = VirtualClock()
+  bm = BlockManager(dev, host, bs)
+  cfg.setdefault("max_num_seqs", 16)
+  cfg.setdefault("max_num_batched_tokens", 64)
+  cfg.setdefault("proactive_swap_budget", 100)
+  s = Scheduler(SchedulerConfig(**cfg), bm, clk, policy)
+  return s, bm, clk
+
+
+def step(s, clk, dt=0.1, finished=None):
+  plan = s.schedule()
+  s.check_invariants()
+  clk.advance(dt)
+  s.on_step_done(plan, finished=finished)
+  s.check_invariants()
+  return plan
+
+
+def add(s, rid, t, prompt=2, max_tokens=3, **kw):
+  r = Request(rid, prompt, max_tokens, t, **kw)
+  s.add_request(r)
+  return r
+
+
+# ---------------------------------------------------------------------------- VLT
+def test_vlt_values_per_state():
+  r = Request("w", 4, 4, arrival_time=1.0)
+  assert vlt(r, 2.0, **KW) == 0.0  # waited 1 s < beta_f * TTFT = 2.5 s
+  assert vlt(r, 4.5, **KW) == pytest.approx(1.0)  # 3.5 - 2.5
+  r.state = RequestState.PREEMPTED
+  assert vlt(r, 4.5, **KW) == pytest.approx(1.0)  # preempted requests count as waiting from arrival
+  r.state, r.state_time = RequestState.RUNNING, 3.0
+  assert vlt(r, 3.0, **KW) == 0.0
+  assert vlt(r, 3.75, **KW) == pytest.approx(-0.75)
+  r.state, r.last_token_time = RequestState.ROTARY, 10.0
+  assert vlt(r, 10.5, **KW) == pytest.approx(1.5)  # alpha * 0.5
+  assert vlt(r, 10.5, **dict(KW, beta_b=10.0)) == 0.0  # ReLU(0.5 - 10 * 0.1)
+  assert vlt(r, 10.5, **dict(KW, beta_b=-10.0)) == pytest.approx(3 * 1.5)  # negative beta_b: lags earlier
+  r.tbt_slo = 0.01  # per-request SLO overrides the default
+  assert vlt(r, 10.5, **dict(KW, beta_b=-10.0)) == pytest.approx(3 * 0.6)
+  r.state = RequestState.FINISHED
+  with pytest.raises(ValueError):
+    vlt(r, 11.0, **KW)
+
+
+def test_scheduler_vlt_uses_its_clock_and_config():
+  s, _, clk = make("rotasched", beta_f=0.0)
+  add(s, "a", 0.0)
+  clk.advance(2.0)
+  assert s.vlt("a") == pytest.approx(2.0)
+
+
+# ---------------------------------------------------------------------------- conceptual example
+def test_conceptual_example_longest_running_rotates_out():
+  """PAPER.md §2.1 example: 4 requests, device room for 2 (one 1-block request each).
+
+  A (t=0) and B (t=0.05) are admitted in turn. C arrives at 0.15; at t=0.2 the device is full, C's VLT
+  (>= 0) ranks above every running request, so the running request with the most negative VLT (A, the
+  longest-running, VLT -0.2 vs B's -0.1) rotates out and C runs. At t=0.3, with B_xfer = 1 block, the
+  rotary A (VLT = alpha * 0.1 = 0.3) beats the fresh D (VLT 0): A rotates back in, displacing the now
+  longest-running B; D keeps waiting. A request that entered running this instant (VLT = 0) is never a victim.
+  """
+  s, bm, clk = make("rotasched", dev=2, proactive_swap_budget=1, max_num_batched_tokens=16)
+  add(s, "A", 0.0, max_tokens=3)
+  p0 = step(s, clk)  # t=0 -> 0.1
+  assert p0.admitted == ["A"] and not p0.contention
+  add(s, "B", 0.05)
+  p1 = step(s, clk)  # t=0.1
+  assert p1.admitted == ["B"] and p1.rotated_out == []
+  add(s, "C", 0.15)
+  now = clk.now()
+  assert now == pytest.approx(0.2)
+  assert s.vlt("A") == pytest.approx(-0.2) and s.vlt("B") == pytest.approx(-0.1) and s.vlt("C") == 0.0
+  p2 = step(s, clk)  # t=0.2
+  assert p2.contention
+  assert p2.rotated_out == ["A"] and p2.admitted == ["C"] and p2.rotated_in == []
+  assert s.get("A").state is RequestState.ROTARY and s.get("B").state is RequestState.RUNNING
+  add(s, "D", 0.3)
+  assert s.vlt("A") == pytest.approx(3 * 0.1) and s.vlt("D") == 0.0
+  p3 = step(s, clk)  # t=0.3
+  assert p3.rotated_in == ["A"] and p3.rotated_out == ["B"] and p3.admitted == []
+  assert s.get("D").state is RequestState.WAITING
+  assert p3.blocks_in <= 1
+
+
+def test_no_contention_means_no_rotation():
+  s, _, clk = make("rotasched", dev=8)
+  for i in range(4):
+    add(s, i, 0.0)
+  for _ in range(3):
+    p = step(s, clk)
+    assert not p.contention and p.rotated_out == [] and p.preempted == []
+  assert not s.has_unfinished()
+
+
+# ---------------------------------------------------------------------------- baselines
+def _fill_two(policy, **cfg):
+  """r0, r1 (prompt 5: 2 blocks each) fill a 4-block pool; r2 waits. At token 9 r0 needs a 3rd block."""
+  s, bm, clk = make(policy, dev=4, **cfg)
+  add(s, "r0", 0.0, prompt=5, max_tokens=6)
+  add(s, "r1", 0.01, prompt=5, max_tokens=6)
+  add(s, "r2", 0.02, prompt=5, max_tokens=6)
+  return s, bm, clk
+
+
+def test_fcfs_recompute_preempts_last_admitted_and_requeues_at_head():
+  s, bm, clk = _fill_two("fcfs")
+  p = step(s, clk)
+  assert p.admitted == ["r0", "r1"]  # arrival order; r2 blocked (no block left)
+  plans = [step(s, clk) for _ in range(5)]
+  pre = [p for p in plans if p.preempted]
+  assert pre and pre[0].preempted == ["r1"] and pre[0].admitted == []  # no admission in a preempting step
+  assert s.waiting_ids()[0] == "r1"  # head of the queue, ahead of r2 which arrived later
+  assert s.get("r1").num_computed_tokens == 0 and s.get("r1").num_preemptions == 1
+  assert all(p.rotated_out == [] for p in plans)
+
+
+def test_fcfs_swap_swaps_victim_and_resumes_it_before_new():
+  s, bm, clk = _fill_two("fcfs_swap")
+  step(s, clk)
+  plans = []
+  while not any(p.rotated_out for p in plans):
+    plans.append(step(s, clk))
+  assert plans[-1].rotated_out == ["r1"] and plans[-1].preempted == []
+  assert s.get("r1").state is RequestState.ROTARY
+  while s.get("r1") is not None and s.get("r1").state is RequestState.ROTARY:
+    p = step(s, clk)
+    assert "r2" not in p.admitted  # swapped requests resume first
+  assert p.rotated_in == ["r1"]
+
+
+def _rotary_and_waiting(policy):
+  """Returns a scheduler with one ROTARY request "x" and one WAITING request "w" (both 1 block)."""
+  s, bm, clk = make(policy, dev=2, proactive_swap_budget=100, max_num_batched_tokens=16)
+  add(s, "x", 0.0, max_tokens=3)
+  add(s, "y", 0.0, max_tokens=3)
+  step(s, clk)  # x, y running
+  add(s, "z", 0.1, max_tokens=3)
+  step(s, clk)  # x (longest-running) rotated out for z under rotation policies
+  return s, bm, clk
+
+
+@pytest.mark.parametrize("policy,first", [("wf", "w"), ("sf", "x")])
+def test_static_policies_order(policy, first):
+  s, bm, clk = make(policy, dev=1, proactive_swap_budget=100, max_num_batched_tokens=16)
+  add(s, "x", 0.0, max_tokens=3)
+  step(s, clk)  # x runs (t=0)
+  add(s, "w", 0.1, max_tokens=3)
+  p = step(s, clk)  # t=0.1: x rotates out for w (both wf and sf rank a waiting request above running)
+  assert p.rotated_out == ["x"] and p.admitted == ["w"]
+  add(s, "w2", 0.2, max_tokens=3)
+  p = step(s, clk)  # t=0.2: w runs; candidates x (rotary) and w2 (waiting); one slot
+  got = p.rotated_in + p.admitted
+  assert got == (["x"] if first == "x" else ["w2"])
+  assert p.rotated_out == ["w"]
+
+
+def test_rotasched_orders_by_vlt_across_queues():
+  # Two rotary requests (lags 0.5 s and 0.1 s: VLT 1.5 and 0.3) and two waiting ones (waited 3.5 s and 4.5 s:
+  # VLT 1.0 and 2.0). Order: w_old (2.0), x_old (1.5), w_new (1.0), x_new (0.3).
+  s, bm, clk = make("rotasched")
+  pol = s.policy
+  now = 10.0
+  reqs = {}
+  for rid, state, t in [("w_old", "W", 5.5), ("w_new", "W", 6.5), ("x_old", "R", 9.5), ("x_new", "R", 9.9)]:
+    r = Request(rid, 2, 3, arrival_time=t if state == "W" else 0.0)
+    if state == "R":
+      r.state, r.last_token_time, r.num_generated, r.num_computed_tokens = RequestState.ROTARY, t, 1, 2
+      s.rotary.push(r, pol.rotary_key(r, s))
+    else:
+      s.waiting.push(r, pol.waiting_key(r, s))
+    reqs[rid] = r
+  order = [r.req_id for r in pol.candidates(s, now)]
+  assert order == ["w_old", "x_old", "w_new", "x_new"]
+  vl = [vlt(reqs[i], now, **KW) for i in order]
+  assert vl == sorted(vl, reverse=True) and vl[0] == pytest.approx(2.0) and vl[-1] == pytest.approx(0.3)
+
+
+def test_edf_orders_by_deadline_and_rotasched_code_by_in_waiting_since():
+  s, _, _ = make("edf")
+  pol = s.policy
+  w = Request("w", 2, 3, arrival_time=0.0)  # deadline 5.0
+  x = Request("x", 2, 3, arrival_time=0.0)
+  x.state, x.last_token_time = RequestState.ROTARY, 4.95  # deadline 5.05
+  y = Request("y", 2, 3, arrival_time=0.0, ttft_slo=1.0)  # deadline 1.0 (tighter SLO)
+  s.waiting.push(w, pol.waiting_key(w, s))
+  s.rotary.push(x, pol.rotary_key(x, s))
+  s.waiting.push(y, pol.waiting_key(y, s))
+  assert [r.req_id for r in pol.candidates(s, 5.0)] == ["y", "w", "x"]
+  assert pol.urgent(y, 2.0) and not pol.urgent(x, 5.0)
+
+  s, _, _ = make("rotasched_code")
+  pol = s.policy
+  a = Request("a", 2, 3, arrival_time=3.0)
+  b = Request("b", 2, 3, arrival_time=0.0)
+  b.state, b.state_time = RequestState.ROTARY, 2.0  # rotated out at 2.0: in_waiting_since = 2.0
+  a.state_time = 3.0
+  s.waiting.push(a, pol.waiting_key(a, s))
+  s.rotary.push(b, pol.rotary_key(b, s))
+  assert [r.req_id for r in pol.candidates(s, 5.0)] == ["b", "a"]
+
+
+def test_rotasched_code_keeps_budget_free():
+  # B = 3 blocks: with fewer than 3 free blocks under contention, rotate out longest-running decode requests
+  # while the accumulated blocks stay below B.
+  s, bm, clk = make("rotasched_code", dev=4, proactive_swap_budget=3, max_num_batched_tokens=16)
+  for i in range(4):
+    add(s, f"r{i}", 0.0, max_tokens=3)
+  step(s, clk)  # 4 running, 0 free
+  add(s, "late", 0.1, max_tokens=3)
+  p = step(s, clk)
+  assert p.rotated_out == ["r0", "r1"]  # 1 + 1 < 3, a third would reach 3
+
+
+# ---------------------------------------------------------------------------- budgets and rules
+@pytest.mark.parametrize("bxfer", [4, 100])
+def test_bxfer_caps_blocks_moved_per_step(bxfer):
+  # 6 running requests of 2 blocks (prompt 8) fill 12 blocks; 6 more wait. No write-back, so a rotation
+  # copies every block of the victim.
+  s, bm, clk = make("rotasched", dev=12, host=64, proactive_swap_budget=bxfer, max_num_batched_tokens=128,
+                    enable_writeback=False)
+  for i in range(6):
+    add(s, f"a{i}", 0.0, prompt=8, max_tokens=8)
+  step(s, clk)
+  for i in range(6):
+    add(s, f"b{i}", 0.1, prompt=8, max_tokens=8)
+  plans = [step(s, clk) for _ in range(12)]
+  most = max(max(p.blocks_out, p.blocks_in) for p in plans)
+  if bxfer == 4:
+    assert most == 4  # rotation happens, at the cap and never beyond it
+  else:
+    assert most > 4  # the same workload moves more when the budget allows it
+
+
+def test_writeback_makes_rotation_copy_only_the_tail():
+  s, bm, clk = make("rotasched", dev=4, host=64, proactive_swap_budget=100, max_num_batched_tokens=64,
+                    writeback_min_free_host=0)
+  add(s, "a", 0.0, prompt=9, max_tokens=4)  # 3 blocks: 2 full after prefill, tail has 1-2 tokens
+  p = step(s, clk)
+  assert p.writeback == []  # the prefill's KV is not written yet when the plan is made
+  p = step(s, clk)
+  assert len(p.writeback) == 2  # the two full blocks, computed by the previous step
+  add(s, "b", clk.now(), prompt=8, max_tokens=4)
+  p = step(s, clk)
+  assert p.rotated_out == ["a"] and p.blocks_out == 1  # only the dirty tail block
+  assert {d for d, _ in p.swap_out} <= set(range(1, 5))
+
+
+def test_mid_prefill_never_rotated_and_never_out_and_in_same_step():
+  s, bm, clk = make("rotasched", dev=6, proactive_swap_budget=100, max_num_batched_tokens=4)
+  add(s, "long", 0.0, prompt=16, max_tokens=2)  # 4 prefill chunks of 4 tokens
+  for i in range(3):
+    add(s, f"s{i}", 0.0, prompt=2, max_tokens=6)
+  for _ in range(30):
+    plan = s.schedule()
+    assert not set(plan.rotated_out) & set(plan.rotated_in)
+    for rid in plan.rotated_out:
+      r = s.get(rid)
+      assert r.num_computed_tokens >= r.prompt_len  # prefill complete
+    clk.advance(0.1)
+    s.on_step_done(plan)
+    s.check_invariants()
+    if not s.has_unfinished():
+      break
+  assert not s.has_unfinished()
+
+
+@pytest.mark.parametrize("proactive_recompute", [False, True])
+def test_host_full_falls_back_to_recompute(proactive_recompute):
+  s, bm, clk = make("rotasched", dev=2, host=0, proactive_swap_budget=100, max_num_batched_tokens=16,
+                    proactive_recompute=proactive_recompute)
+  add(s, "a", 0.0, max_tokens=3)
+  add(s, "b", 0.0, max_tokens=3)
+  step(s, clk)
+  add(s, "c", 0.1, max_tokens=3)
+  p = step(s, clk)
+  assert p.rotated_out == []
+  if proactive_recompute:
+    assert p.preempted == ["a"] and p.admitted == ["c"]
+    assert s.get("a").state is RequestState.PREEMPTED and s.get("a").num_computed_tokens == 0
+  else:  # the optional rotation is skipped: a keeps its KV and runs
+    assert p.preempted == [] and p.admitted == [] and s.get("a").state is RequestState.RUNNING
+
+
+def test_reactive_eviction_recomputes_when_host_full():
+  s, bm, clk = make("fcfs_swap", dev=4, host=0, max_num_batched_tokens=16)
+  add(s, "r0", 0.0, prompt=5, max_tokens=6)
+  add(s, "r1", 0.0, prompt=5, max_tokens=6)
+  plans = [step(s, clk) for _ in range(5)]
+  assert any(p.preempted == ["r1"] for p in plans) and all(not p.rotated_out for p in plans)
+
+
+def test_token_budget_and_max_num_seqs():
+  s, bm, clk = make("fcfs", dev=64, max_num_seqs=3, max_num_batched_tokens=10)
+  for i in range(5):
+    add(s, i, 0.0, prompt=4, max_tokens=2)
+  p = s.schedule()
+  assert p.num_batched_tokens <= 10 and len(p.scheduled) <= 3
+  assert [q.num_new_tokens for q in p.scheduled] == [4, 4, 2]  # chunked prefill of the third
+  assert [q.sample for q in p.scheduled] == [True, True, False]
+
+
+def test_writeback_leaves_bxfer_host_blocks_free_by_default():
+  s, bm, clk = make("rotasched", dev=8, host=10, proactive_swap_budget=8, max_num_batched_tokens=64)
+  add(s, "a", 0.0, prompt=16, max_tokens=4)  # 4 full blocks after the prefill
+  step(s, clk)
+  p = step(s, clk)
+  assert len(p.writeback) == 2 and bm.num_free_host_blocks == 8  # stops at the reserve of B_xfer = 8
+
+
+def test_rotation_reclaims_mirrors_of_running_requests_when_host_full():
+  s, bm, clk = make("rotasched", dev=6, host=4, proactive_swap_budget=100, max_num_batched_tokens=64,
+                    writeback_min_free_host=0)
+  add(s, "a", 0.0, prompt=8, max_tokens=8)  # 2 full blocks after the prefill
+  add(s, "b", 0.0, prompt=8, max_tokens=8)
+  step(s, clk)
+  p = step(s, clk)  # decode: a 3rd block each (6 used); write-back of the 4 full blocks fills the host
+  assert len(p.writeback) == 4 and bm.num_free_host_blocks == 0 and bm.num_free_device_blocks == 0
+  add(s, "c", clk.now(), prompt=4, max_tokens=2)
+  p = step(s, clk)  # a rotates out for c; its dirty tail needs a host block: b's mirrors are reclaimed
+  assert p.rotated_out == ["a"] and p.preempted == [] and p.admitted == ["c"]
+  assert len(p.swap_out) == 1 and bm.is_swapped("a")
+  assert bm.num_host_mirrors("b") == len(p.writeback) == 1  # reclaimed; write-back refilled the last free block
+
+
+def test_reject_request_that_can_never_fit():
+  s, _, _ = make("fcfs", dev=2, bs=4)
+  with pytest.raises(ValueError, match="can never fit"):
+    s.add_request(Request("big", 6, 4, 0.0))  # 9 tokens need 3 blocks > 2
+  s.add_request(Request("ok", 5, 4, 0.0))  # 8 tokens, 2 blocks
+  with pytest.raises(ValueError, match="already live"):
+    s.add_request(Request("ok", 5, 4, 0.0))
+
+
+def test_on_step_done_tokens_timestamps_and_finish():
+  s, bm, clk = make("fcfs")
+  r = Request("a", 2, 2, 0.0, prompt_token_ids=[5, 6])
+  s.add_request(r)
+  p = s.schedule()
+  assert p.scheduled[0].num_new_tokens == 2 and p.scheduled[0].block_table == bm.block_table("a")
+  clk.advance(0.5)
+  assert s.on_step_done(p, {"a": 7}) == []
+  assert r.first_token_time == 0.5 and r.output_token_ids == [7] and r.num_generated == 1
+  p = s.schedule()
+  assert p.scheduled[0].num_new_tokens == 1 and p.scheduled[0].num_computed_tokens == 2
+  clk.advance(0.25)
+  assert s.on_step_done(p, {"a": 8}) == ["a"]
+  assert r.state is RequestState.FINISHED and r.finish_reason == "length" and r.tbt_max == pytest.approx(0.25)
+  assert bm.num_requests == 0 and s.pop_finished() == [r]
+
+
+def test_engine_finish_and_abort_release_blocks():
+  s, bm, clk = make("rotasched")
+  add(s, "a", 0.0, max_tokens=10)
+  add(s, "b", 0.0, max_tokens=10)
+  p = s.schedule()
+  clk.advance(0.1)
+  assert s.on_step_done(p, finished={"a": "stop"}) == ["a"]
+  assert s.abort("b") and not s.abort("b")
+  assert bm.num_free_device_blocks == bm.num_device_blocks and not s.has_unfinished()
+  assert [r.finish_reason for r in s.pop_finished()] == ["stop", "abort"]
+
+
+def test_lookahead_plans_next_step_while_one_in_flight():
+  s, bm, clk = make("fcfs")
+  add(s, "a", 0.0, prompt=3, max_tokens=3)
+  p0 = s.schedule()
+  with pytest.raises(RuntimeError):
+    s.schedule()  # without lookahead a plan must not be in flight
+  p1 = s.schedule(lookahead=True)  # a is assumed to gain the token p0 samples
+  assert p1.lookahead and p1.scheduled[0].num_computed_tokens == 3 and p1.scheduled[0].num_new_tokens == 1
+  with pytest.raises(RuntimeError):
+    s.schedule(lookahead=True)  # depth 1
+  clk.advance(0.1)
+  s.on_step_done(p0, {"a": 1})
+  p2 = s.schedule(lookahead=True)  # 1 generated, p1 samples the 2nd, p2 the 3rd and last
+  assert [(q.num_computed_tokens, q.num_new_tokens) for q in p2.scheduled] == [(4, 1)]
+  s.on_step_done(p1, {"a": 2})
+  p3 = s.schedule(lookahead=True)
+  assert p3.scheduled == []  # max_tokens reached once p2 completes
+  s.check_invariants()
+  s.on_step_done(p2, {"a": 3})
+  assert s.get("a") is None and s.pop_finished()[0].output_token_ids is None
+  s.on_step_done(p3)
+
+
+def test_lookahead_does_not_schedule_past_max_tokens():
+  s, bm, clk = make("fcfs")
+  add(s, "a", 0.0, prompt=3, max_tokens=2)
+  p0 = s.schedule()
+  p1 = s.schedule(lookahead=True)
+  assert len(p1.scheduled) == 1  # samples token 2 of 2
+  clk.advance(0.1)
+  s.on_step_done(p0)
+  p2 = s.schedule(lookahead=True)
+  assert p2.scheduled == []  # token 2 is in flight: the request will be done
+  s.on_step_done(p1)
+  assert not s.has_unfinished()
+  s.on_step_done(p2)
+
+
+def test_clocks():
+  c = VirtualClock(1.0)
+  assert c.now() == 1.0 and c.advance(0.5) == 1.5
+  with pytest.raises(ValueError):
+    c.advance(-1)
+  with pytest.raises(ValueError):
+    c.set(1.0)
+  w = WallClock()
+  assert w.now() > 1e9 and WallClock(offset=w.now()).now() < 10
+
+
+def test_all_policies_registered():
+  assert set(POLICIES) >= {"fcfs", "fcfs_swap", "wf", "sf", "rotasched", "rotasched_code", "edf"}
