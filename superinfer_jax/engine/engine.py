@@ -1,0 +1,582 @@
+"""LLMEngine: the serving step loop (continuous batching, chunked prefill, rotation, on-device sampling).
+
+One engine step (ARCHITECTURE.md "One engine step"):
+
+  1. ``Scheduler.schedule()`` reads the clock and the block manager and returns a ``StepPlan``: sequences
+     with token counts (chunked prefill under a token budget), requests rotated out / in, preempted.
+  2. ``DuplexKV.issue(cache, swap_out, writeback, swap_in)`` gathers the D2H blocks (rotation + eager
+     write-back) from the cache returned by the last dispatched step, starts their copy to pinned host,
+     and scatters the H2D blocks into the (donated) cache. Gather-before-scatter makes reusing a block
+     freed by a swap-out in the same step safe.
+  3. ``build_batch`` (numpy) packs the ragged batch; ONE explicit ``jax.device_put`` moves it (and the
+     per-row sampling parameters) to the device; the jitted step runs the model on the donated cache and
+     samples on device (``engine/sampling.py``).
+  4. Only the sampled token ids come back (one explicit ``jax.device_get``); stop checks (eos unless
+     ignore_eos, stop token ids, stop strings, max_tokens, context length) run on the host;
+     ``Scheduler.on_step_done`` is told the new tokens and finished requests; outputs carry timestamps.
+
+Pipelined loop (PAPER.md §4.5, ``EngineConfig.pipeline``): with step k in flight on the device, the host
+plans step k+1 with ``schedule(lookahead=True)`` (requests in flight are assumed to gain one token) and
+issues its transfers, and only then blocks reading step k's tokens. Requests that finished at step k are
+dropped from plan k+1 ("reschedule"; the token the lookahead assumed is never computed), then step k+1 is
+dispatched. The host never waits on the device except in that one ``device_get``; the step loop does no
+implicit transfers (tested under ``jax.transfer_guard("disallow")``). With the pipeline off, each step
+plans, issues, dispatches and reads back in sequence.
+
+Timestamps come from the injected clock (default ``WallClock``); a token's timestamp is the clock time at
+which its step's ids were read back.
+
+Counters (``LLMEngine.stats``, ``EngineStats``): steps, rotations out/in, blocks and bytes out (swap-out +
+eager write-back) and in, recompute preemptions, lookahead slots dropped, and host time by phase, with
+``host_time_share`` (host busy / step wall time) and ``exposed_host_share`` (time the device waits for the
+host between reading step k and dispatching step k+1).
+
+Not thread-safe: one thread drives ``add_request`` / ``abort`` / ``step`` (a server funnels requests into
+that thread).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import jax
+import numpy as np
+
+from superinfer_jax.engine import packing
+from superinfer_jax.engine import sampling as sampling_lib
+from superinfer_jax.engine.config import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, CompletionOutput,
+                                          EngineConfig, RequestOutput, SamplingParams)
+from superinfer_jax.engine.detokenizer import IncrementalDetokenizer
+from superinfer_jax.engine import integration as integ
+
+PromptType = Union[str, Sequence[int]]
+
+
+class RequestError(ValueError):
+  """A request was rejected at ``add_request`` (empty / too long prompt, can never fit, bad params)."""
+
+
+@dataclasses.dataclass
+class EngineStats:
+  """Counters since the engine started. Bytes use the KV spec's block size (all layers, K and V)."""
+  steps: int = 0
+  model_steps: int = 0
+  tokens_scheduled: int = 0
+  tokens_generated: int = 0
+  rotations_out: int = 0
+  rotations_in: int = 0
+  blocks_out: int = 0            # D2H blocks of rotations (swap-out)
+  blocks_writeback: int = 0      # D2H blocks of eager write-back
+  blocks_in: int = 0             # H2D blocks
+  bytes_out: int = 0             # D2H bytes (swap-out + write-back)
+  bytes_in: int = 0
+  recompute_preemptions: int = 0
+  rescheduled_drops: int = 0     # lookahead slots dropped because the request finished
+  step_time_s: float = 0.0       # wall time spent inside step()
+  host_time_s: float = 0.0       # ... of which not blocked waiting for sampled tokens
+  wait_time_s: float = 0.0       # ... blocked in device_get of the sampled ids
+  # Host time by phase (seconds): plan (scheduler), issue (DuplexKV), dispatch (build_batch + device_put +
+  # jitted call), process (stop checks, detokenization, on_step_done).
+  schedule_time_s: float = 0.0
+  issue_time_s: float = 0.0
+  dispatch_time_s: float = 0.0
+  process_time_s: float = 0.0
+  # Host time the device sits idle for in the loop: from reading step k's ids to dispatching step k+1
+  # (pipelined: process + dispatch; the plan and transfers of k+1 are hidden behind step k).
+  exposed_host_time_s: float = 0.0
+
+  @property
+  def host_time_share(self) -> float:
+    """Share of step() wall time the host spends working (not blocked on the device)."""
+    return self.host_time_s / self.step_time_s if self.step_time_s > 0 else 0.0
+
+  @property
+  def exposed_host_share(self) -> float:
+    """Share of step() wall time the device waits for the host (upper bound; see exposed_host_time_s)."""
+    return self.exposed_host_time_s / self.step_time_s if self.step_time_s > 0 else 0.0
+
+  def as_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["host_time_share"] = self.host_time_share
+    d["exposed_host_share"] = self.exposed_host_share
+    return d
+
+
+@dataclasses.dataclass
+class _Req:
+  """Engine-side state of one request."""
+  request_id: str
+  prompt_token_ids: list[int]
+  params: SamplingParams
+  seed: int
+  max_total_len: int             # prompt + output tokens allowed (max_tokens and context capped)
+  arrival_time: float
+  detok: Optional[IncrementalDetokenizer]
+  output_token_ids: list[int] = dataclasses.field(default_factory=list)
+  timestamps: list[float] = dataclasses.field(default_factory=list)
+  text: str = ""
+  finish_reason: Optional[str] = None
+  error: Optional[str] = None
+  # Streaming cursor: outputs not yet returned by step().
+  pending_tokens: list[int] = dataclasses.field(default_factory=list)
+  pending_times: list[float] = dataclasses.field(default_factory=list)
+  pending_text: str = ""
+  reported_final: bool = False
+
+  @property
+  def finished(self) -> bool:
+    return self.finish_reason is not None
+
+  def all_tokens_len(self) -> int:
+    return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+  def token_at(self, i: int) -> int:
+    p = len(self.prompt_token_ids)
+    return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+  def tokens(self, start: int, stop: int) -> list[int]:
+    p = len(self.prompt_token_ids)
+    if stop <= p:
+      return self.prompt_token_ids[start:stop]
+    if start >= p:
+      return self.output_token_ids[start - p:stop - p]
+    return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]
+
+
+@dataclasses.dataclass
+class _InFlight:
+  """A dispatched model step whose sampled ids are not read yet."""
+  plan: Any
+  tokens: jax.Array                      # [R] int32 on device
+  rows: list[tuple[str, int]]            # (request id, logits row) of each sequence that samples
+  scheduled: list[str]                   # request ids in the step
+  read_time: float = 0.0                 # perf_counter() when its ids were read back
+
+
+def _step_fn(params, kv_cache, packed, *, dims, cfg, attention):
+  """Model forward on the donated cache + on-device sampling. Returns (tokens[R] int32, kv_cache).
+
+  ``packed`` is the step's one int32 buffer (``engine/packing.py``) with batch dims ``dims`` (static).
+  """
+  batch, samp = packing.unpack(packed, dims)
+  logits, kv_cache = integ.forward(params, kv_cache, batch, cfg, attention)
+  tokens = sampling_lib.sample(logits, *samp)
+  return tokens, kv_cache
+
+
+# One jit for all engines in the process (cfg and attention static), so engines built on the same model and
+# bucket floors share compilations.
+_jit_step = jax.jit(_step_fn, static_argnames=("dims", "cfg", "attention"), donate_argnums=(1,))
+
+
+class LLMEngine:
+  """In-process serving engine. See the module docstring for the step loop.
+
+  Args:
+    model: a model path / name accepted by ``load_model`` (HF dir, .gguf, orbax dir, ``smollm2-135m``), or a
+      tuple ``(cfg, params)`` / ``(cfg, params, tokenizer)``.
+    config: ``EngineConfig`` (validated here; a bad value -> ``ValueError`` at startup).
+    clock: object with ``now() -> float`` seconds (default: the scheduler package's ``WallClock``).
+    tokenizer: overrides the tokenizer loaded with the model (None: load it when ``model`` is a path;
+      with ``(cfg, params)`` and no tokenizer, prompts must be token ids and outputs have no text).
+    scheduler_factory: ``(config, block_manager, clock, max_model_len) -> scheduler`` to plug in a custom
+      scheduler (default: ``superinfer_jax.sched`` with ``config.policy``).
+  """
+
+  def __init__(self, model: Any, config: Optional[EngineConfig] = None, clock: Any = None,
+               tokenizer: Any = None, scheduler_factory: Any = None):
+    self.config = config = (config or EngineConfig())
+    config.validate()
+    if isinstance(model, (tuple, list)):
+      if len(model) == 3:
+        cfg, params, tok = model
+      elif len(model) == 2:
+        (cfg, params), tok = model, None
+      else:
+        raise ValueError("model tuple must be (cfg, params) or (cfg, params, tokenizer)")
+      params = jax.device_put(params)
+    else:
+      cfg, params = integ.load_model(model, dtype=config.dtype)
+      tok = integ.load_tokenizer(model) if tokenizer is None else None
+    self.model_config = cfg
+    self.params = params
+    self.tokenizer = tokenizer if tokenizer is not None else tok
+    self.eos_token_ids = frozenset(integ.eos_token_ids(cfg, self.tokenizer))
+    self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
+                             cfg.max_position_embeddings)
+    self.clock = clock if clock is not None else integ.wall_clock()
+    self.kv_spec = cfg.kv_spec(config.block_size, dtype=config.dtype)
+    self.num_device_blocks = self._device_blocks()
+    self.num_host_blocks = self._host_blocks()
+    self.block_manager = integ.make_block_manager(self.num_device_blocks, self.num_host_blocks,
+                                                  config.block_size)
+    self.scheduler = (scheduler_factory or integ.make_scheduler)(
+        config, self.block_manager, self.clock, max_model_len=self.max_model_len)
+    self.kv_cache = integ.init_kv_cache(self.kv_spec, self.num_device_blocks + 1)
+    self.duplex = integ.make_duplex(self.kv_spec, self.num_host_blocks, config)
+    self._step_kwargs = dict(cfg=cfg, attention=config.attention)
+    self.stats = EngineStats()
+    self._reqs: dict[str, _Req] = {}
+    self._unfinished: set[str] = set()
+    self._pending_out: dict[str, None] = {}   # requests with output not yet returned (insertion order)
+    self._inflight: Optional[_InFlight] = None
+    self._id_counter = itertools.count()
+    self._empty_steps = 0
+
+  # ------------------------------------------------------------------------------------------ sizing
+  def _device_blocks(self) -> int:
+    c = self.config
+    if c.num_device_blocks:
+      return c.num_device_blocks
+    stats = None
+    try:
+      stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # pylint: disable=broad-except
+      stats = None
+    if not stats or "bytes_limit" not in stats:
+      raise ValueError("EngineConfig.num_device_blocks is unset and this backend reports no device memory "
+                       "(e.g. CPU): give num_device_blocks")
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    n = int(free * c.device_memory_fraction) // self.kv_spec.block_bytes - 1
+    if n < 1:
+      raise ValueError(f"device_memory_fraction={c.device_memory_fraction} of {free} free bytes holds no "
+                       f"KV block of {self.kv_spec.block_bytes} bytes")
+    return n
+
+  def _host_blocks(self) -> int:
+    c = self.config
+    if c.num_host_blocks is not None:
+      return c.num_host_blocks
+    return int(c.host_gib * 2**30) // self.kv_spec.block_bytes
+
+  # ---------------------------------------------------------------------------------------- requests
+  def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None, *,
+                  request_id: Optional[str] = None, ttft_slo: Optional[float] = None,
+                  tbt_slo: Optional[float] = None, arrival_time: Optional[float] = None) -> str:
+    """Queues a request; returns its id. Raises ``RequestError`` (a ValueError) for a bad request,
+    leaving the engine and every other request untouched."""
+    params = dataclasses.replace(params) if params is not None else SamplingParams()
+    try:
+      params.validate(vocab_size=self.model_config.vocab_size)
+    except ValueError as e:
+      raise RequestError(str(e)) from None
+    if isinstance(prompt, str):
+      if self.tokenizer is None:
+        raise RequestError("text prompt given but the engine has no tokenizer; pass token ids")
+      prompt_ids = integ.encode(self.tokenizer, prompt)
+    else:
+      try:
+        prompt_ids = [int(t) for t in prompt]
+      except (TypeError, ValueError):
+        raise RequestError(f"prompt must be a string or a sequence of token ids, got {type(prompt)}") \
+            from None
+    if not prompt_ids:
+      raise RequestError("empty prompt")
+    bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
+    if bad:
+      raise RequestError(f"prompt token ids {bad[:5]} out of the vocabulary [0, {self.model_config.vocab_size})")
+    if len(prompt_ids) >= self.max_model_len:
+      raise RequestError(f"prompt of {len(prompt_ids)} tokens leaves no room to generate within the model's "
+                         f"context of {self.max_model_len} tokens")
+    if params.stop and self.tokenizer is None:
+      raise RequestError("stop strings need a tokenizer")
+    for slo in (ttft_slo, tbt_slo):
+      if slo is not None and not slo > 0:
+        raise RequestError(f"SLOs must be > 0 seconds, got {slo!r}")
+    max_total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+    need = self.kv_spec.blocks_for_tokens(max_total - 1)   # the last sampled token is never fed back
+    if need > self.num_device_blocks:
+      raise RequestError(f"request needs up to {need} KV blocks ({max_total - 1} tokens) but the device pool has "
+                         f"only {self.num_device_blocks}: it can never run")
+    if request_id is None:
+      request_id = f"req-{next(self._id_counter)}"
+      while request_id in self._reqs:
+        request_id = f"req-{next(self._id_counter)}"
+    elif request_id in self._reqs:
+      raise RequestError(f"duplicate request id {request_id!r}")
+    seed = params.seed if params.seed is not None else integ.derive_seed(self.config.seed, request_id)
+    now = self.clock.now() if arrival_time is None else arrival_time
+    detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+             if self.tokenizer is not None else None)
+    r = _Req(request_id=request_id, prompt_token_ids=prompt_ids, params=params, seed=seed,
+             max_total_len=max_total, arrival_time=now, detok=detok)
+    try:
+      self.scheduler.add_request(integ.make_sched_request(
+          self.scheduler, request_id, prompt_ids, max_tokens=max_total - len(prompt_ids), arrival_time=now,
+          ttft_slo=ttft_slo, tbt_slo=tbt_slo))
+    except ValueError as e:
+      raise RequestError(str(e)) from None
+    self._reqs[request_id] = r
+    self._unfinished.add(request_id)
+    return request_id
+
+  def abort(self, request_id: str) -> bool:
+    """Aborts a waiting, running or rotary request and frees its blocks. Its final output (finish reason
+    "abort") comes with the next ``step()``. Returns False if the id is unknown or already finished."""
+    r = self._reqs.get(request_id)
+    if r is None or r.finished:
+      return False
+    self.scheduler.abort(request_id)
+    self._finish(r, FINISH_ABORT)
+    return True
+
+  def has_unfinished(self) -> bool:
+    """True while a request is queued, running, rotary, or has an output not yet returned."""
+    return bool(self._unfinished) or bool(self._pending_out)
+
+  def get_request(self, request_id: str) -> CompletionOutput:
+    """The accumulated result of a request (finished or not)."""
+    r = self._reqs[request_id]
+    return CompletionOutput(request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
+                            token_ids=list(r.output_token_ids), text=r.text, finish_reason=r.finish_reason,
+                            timestamps=list(r.timestamps), arrival_time=r.arrival_time)
+
+  def release(self, request_id: str) -> None:
+    """Forgets a finished request's accumulated state (long-running servers call this)."""
+    r = self._reqs.get(request_id)
+    in_flight = self._inflight is not None and request_id in self._inflight.scheduled
+    if r is not None and r.reported_final and not in_flight:
+      del self._reqs[request_id]
+
+  # ----------------------------------------------------------------------------------------- the loop
+  def step(self) -> list[RequestOutput]:
+    """Runs one model step (pipelined: completes the step in flight, dispatches the next) and returns
+    the new outputs: one ``RequestOutput`` per request that gained tokens or finished."""
+    t0 = time.perf_counter()
+    wait = 0.0
+    if self.config.pipeline:
+      wait = self._step_pipelined()
+    else:
+      wait = self._step_sync()
+    outputs = self._collect_outputs()
+    dt = time.perf_counter() - t0
+    self.stats.steps += 1
+    self.stats.step_time_s += dt
+    self.stats.wait_time_s += wait
+    self.stats.host_time_s += dt - wait
+    return outputs
+
+  def _step_sync(self) -> float:
+    t0 = time.perf_counter()
+    plan = self._schedule(lookahead=False)
+    self._issue(plan)
+    inflight = self._dispatch(plan)
+    if inflight is None:
+      self._on_step_done(plan, {}, {})
+      self.stats.exposed_host_time_s += time.perf_counter() - t0
+      return 0.0
+    t1 = time.perf_counter()
+    wait = self._complete(inflight)
+    self.stats.exposed_host_time_s += (t1 - t0) + (time.perf_counter() - t1 - wait)
+    return wait
+
+  def _step_pipelined(self) -> float:
+    if self._inflight is None:
+      plan = self._schedule(lookahead=False)
+      self._issue(plan)
+      self._inflight = self._dispatch(plan)
+      if self._inflight is None:
+        self._on_step_done(plan, {}, {})
+        return 0.0
+    # Step k is running on the device: plan step k+1 and start its transfers meanwhile.
+    next_plan = self._schedule(lookahead=True)
+    self._issue(next_plan)
+    inflight, self._inflight = self._inflight, None
+    wait = self._complete(inflight)
+    t_read = inflight.read_time
+    self._inflight = self._dispatch(next_plan)
+    if self._inflight is None:
+      self._on_step_done(next_plan, {}, {})
+    self.stats.exposed_host_time_s += time.perf_counter() - t_read
+    return wait
+
+  def _schedule(self, lookahead: bool):
+    t = time.perf_counter()
+    plan = self.scheduler.schedule(lookahead=lookahead) if lookahead else self.scheduler.schedule()
+    st = self.stats
+    st.schedule_time_s += time.perf_counter() - t
+    st.rotations_out += len(integ.plan_field(plan, "rotated_out"))
+    st.rotations_in += len(integ.plan_field(plan, "rotated_in"))
+    st.recompute_preemptions += len(integ.plan_field(plan, "preempted"))
+    return plan
+
+  def _issue(self, plan) -> None:
+    swap_out = list(integ.plan_field(plan, "swap_out"))
+    writeback = list(integ.plan_field(plan, "writeback"))
+    swap_in = list(integ.plan_field(plan, "swap_in"))
+    if not (swap_out or writeback or swap_in):
+      return
+    st = self.stats
+    bb = self.kv_spec.block_bytes
+    st.blocks_out += len(swap_out)
+    st.blocks_writeback += len(writeback)
+    st.blocks_in += len(swap_in)
+    st.bytes_out += (len(swap_out) + len(writeback)) * bb
+    st.bytes_in += len(swap_in) * bb
+    if self.duplex is None:
+      raise RuntimeError("the scheduler planned KV copies but the engine has no host pool")
+    t = time.perf_counter()
+    self.kv_cache = self.duplex.issue(self.kv_cache, swap_out, writeback, swap_in)
+    st.issue_time_s += time.perf_counter() - t
+
+  def _dispatch(self, plan) -> Optional[_InFlight]:
+    """Builds the batch for ``plan`` (skipping finished requests) and dispatches the jitted step."""
+    t0 = time.perf_counter()
+    seqs, rows_req, ids = [], [], []
+    for s in integ.plan_field(plan, "scheduled"):
+      r = self._reqs.get(s.req_id)
+      if r is None or r.finished:
+        self.stats.rescheduled_drops += 1
+        continue
+      start = s.num_computed_tokens
+      stop = start + s.num_new_tokens
+      if stop > r.all_tokens_len():
+        raise RuntimeError(f"scheduler planned tokens [{start}, {stop}) of {s.req_id!r} which has only "
+                           f"{r.all_tokens_len()} tokens")
+      seqs.append((r.tokens(start, stop), start, list(s.block_table)))
+      ids.append(s.req_id)
+      sample = stop == r.all_tokens_len()   # the chunk reaches the end of the known tokens: sample
+      if getattr(s, "sample", sample) != sample:
+        raise RuntimeError(f"plan says sample={s.sample} for {s.req_id!r} tokens [{start}, {stop}) but the "
+                           f"request has {r.all_tokens_len()} tokens")
+      rows_req.append(sample)
+    if not seqs:
+      return None
+    batch, logit_rows = integ.build_batch(seqs, self.config.block_size, self.config)
+    R = integ.num_logit_rows(batch)
+    samp = sampling_lib.SamplingArrays.empty(R)
+    rows = []
+    for i, (rid, want) in enumerate(zip(ids, rows_req)):
+      if not want:
+        continue
+      row = logit_rows[i]
+      r = self._reqs[rid]
+      p = r.params
+      samp.temperature[row] = p.temperature
+      samp.top_k[row] = p.top_k if p.top_k > 0 else 0
+      samp.top_p[row] = p.top_p
+      samp.seed[row] = r.seed
+      samp.step[row] = len(r.output_token_ids)
+      rows.append((rid, row))
+    packed, dims = packing.pack(batch, samp)
+    packed = jax.device_put(packed)        # the step's one explicit host->device transfer
+    tokens, self.kv_cache = _jit_step(self.params, self.kv_cache, packed, dims=dims, **self._step_kwargs)
+    self.stats.model_steps += 1
+    self.stats.tokens_scheduled += sum(len(s[0]) for s in seqs)
+    self.stats.dispatch_time_s += time.perf_counter() - t0
+    return _InFlight(plan=plan, tokens=tokens, rows=rows, scheduled=ids)
+
+  def _complete(self, inflight: _InFlight) -> float:
+    """Reads back step k's sampled ids, runs stop checks, tells the scheduler. Returns seconds waited."""
+    t = time.perf_counter()
+    tokens = jax.device_get(inflight.tokens)
+    inflight.read_time = t_read = time.perf_counter()
+    wait = t_read - t
+    now = self.clock.now()
+    new_tokens: dict[str, int] = {}
+    finished: dict[str, str] = {}
+    for rid, row in inflight.rows:
+      r = self._reqs[rid]
+      if r.finished:        # aborted while in flight: the token is discarded
+        continue
+      tok = int(tokens[row])
+      new_tokens[rid] = tok
+      reason = self._append_token(r, tok, now)
+      if reason is not None:
+        finished[rid] = reason
+    self._on_step_done(inflight.plan, new_tokens, finished, now)
+    for rid, reason in finished.items():
+      self._finish(self._reqs[rid], reason)
+    self.stats.tokens_generated += len(new_tokens)
+    self.stats.process_time_s += time.perf_counter() - t_read
+    return wait
+
+  def _on_step_done(self, plan, new_tokens, finished, now=None) -> None:
+    self.scheduler.on_step_done(plan, new_tokens, finished, self.clock.now() if now is None else now)
+    if self._unfinished and not new_tokens and not integ.plan_has_work(plan):
+      self._empty_steps += 1
+      if self._empty_steps > 1000:
+        raise RuntimeError("the scheduler made no progress for 1000 steps with requests pending "
+                           f"({len(self._unfinished)} unfinished); stuck")
+    else:
+      self._empty_steps = 0
+
+  def _append_token(self, r: _Req, tok: int, now: float) -> Optional[str]:
+    """Appends a sampled token; returns a finish reason if the request stops."""
+    r.output_token_ids.append(tok)
+    r.timestamps.append(now)
+    r.pending_tokens.append(tok)
+    r.pending_times.append(now)
+    self._pending_out[r.request_id] = None
+    if r.detok is not None:
+      delta = r.detok.add_token(tok)
+      r.pending_text += delta
+      r.text = r.detok.text
+      if r.detok.stopped:
+        return FINISH_STOP
+    p = r.params
+    if not p.ignore_eos and tok in self.eos_token_ids:
+      return FINISH_STOP
+    if tok in p.stop_token_ids:
+      return FINISH_STOP
+    if r.all_tokens_len() >= r.max_total_len:
+      return FINISH_LENGTH
+    return None
+
+  def _finish(self, r: _Req, reason: str) -> None:
+    if r.finished:
+      return
+    r.finish_reason = reason
+    self._pending_out[r.request_id] = None
+    if r.detok is not None:
+      r.pending_text += r.detok.flush()
+      r.text = r.detok.text
+    self._unfinished.discard(r.request_id)
+
+  def _collect_outputs(self) -> list[RequestOutput]:
+    outs = []
+    pending, self._pending_out = self._pending_out, {}
+    for rid in pending:
+      r = self._reqs[rid]
+      if r.reported_final:
+        continue
+      outs.append(RequestOutput(request_id=r.request_id, token_ids=r.pending_tokens, text=r.pending_text,
+                                timestamps=r.pending_times, finished=r.finished,
+                                finish_reason=r.finish_reason, prompt_token_ids=r.prompt_token_ids,
+                                error=r.error))
+      r.pending_tokens, r.pending_times, r.pending_text = [], [], ""
+      if r.finished:
+        r.reported_final = True
+    return outs
+
+  # ------------------------------------------------------------------------------------ conveniences
+  def stream(self) -> Iterator[RequestOutput]:
+    """Steps until every request finishes, yielding outputs as they are produced."""
+    while self.has_unfinished():
+      yield from self.step()
+
+  def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+               params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> list[CompletionOutput]:
+    """Submits all prompts together (one continuous batch) and blocks until all finish; results in
+    input order."""
+    if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+      prompts = [prompts]
+    if params is None or isinstance(params, SamplingParams):
+      params = [params] * len(prompts)
+    if len(params) != len(prompts):
+      raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+    ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+    for _ in self.stream():
+      pass
+    return [self.get_request(i) for i in ids]
+
+  def num_compiled_shapes(self) -> int:
+    """Compiled variants of the (process-wide) jitted step: bounded by the bucket scheme."""
+    size = getattr(_jit_step, "_cache_size", None)   # private jax API (0.10 / 0.11); -1 if absent
+    return size() if callable(size) else -1
+
+  def check_invariants(self) -> None:
+    """Block-manager invariants (tests)."""
+    self.block_manager.check_invariants()

@@ -1,0 +1,163 @@
+"""Test doubles and helpers for the engine tests: a tiny random model and a minimal FCFS scheduler.
+
+``FakeScheduler`` implements the scheduler contract (WORKSPACE_NOTES "Module contracts": ``add_request``,
+``abort``, ``schedule(lookahead)``, ``on_step_done``; ``StepPlan`` fields) with FCFS admission, chunked
+prefill and recompute preemption only — no rotation. It lets the engine loop be tested independently of
+``superinfer_jax.sched``.
+"""
+import collections
+import dataclasses
+
+import jax
+import numpy as np
+
+from superinfer_jax.model.config import ModelConfig
+
+
+def tiny_config(vocab=128, layers=2, hidden=64, heads=4, kv_heads=2, max_pos=256, eos=()):
+  return ModelConfig(family="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                     num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads,
+                     max_position_embeddings=max_pos, rope_theta=10000.0, rms_norm_eps=1e-5,
+                     tie_word_embeddings=False, eos_token_ids=tuple(eos), name="tiny-test")
+
+
+def random_params(cfg, seed=0, scale=0.5):
+  """Random params with the model package's layout (``superinfer_jax.model.params.param_shapes``)."""
+  from superinfer_jax.model.params import param_shapes
+  shapes = param_shapes(cfg)
+  rng = np.random.default_rng(seed)
+
+  def make(shape):
+    if len(shape) >= 2 and shape[-1] != shape[-2] or len(shape) >= 2:
+      fan_in = shape[-2]
+      return (rng.standard_normal(shape) * scale / np.sqrt(fan_in)).astype(np.float32)
+    return np.ones(shape, np.float32)
+
+  def build(tree):
+    if isinstance(tree, dict):
+      return {k: build(v) for k, v in tree.items()}
+    shape = tuple(tree)
+    if len(shape) == 1 or (len(shape) == 2 and shape[0] == cfg.num_layers and shape[1] == cfg.hidden_size):
+      return np.ones(shape, np.float32)   # norms
+    if shape == (cfg.vocab_size, cfg.hidden_size):
+      return (rng.standard_normal(shape) * 1.0).astype(np.float32)
+    return make(shape)
+
+  return jax.device_put(build(shapes))
+
+
+@dataclasses.dataclass
+class FakeScheduledSeq:
+  req_id: str
+  num_new_tokens: int
+  num_computed_tokens: int
+  block_table: list
+
+
+@dataclasses.dataclass
+class FakePlan:
+  scheduled: list
+  swap_out: list = dataclasses.field(default_factory=list)
+  swap_in: list = dataclasses.field(default_factory=list)
+  writeback: list = dataclasses.field(default_factory=list)
+  rotated_out: list = dataclasses.field(default_factory=list)
+  rotated_in: list = dataclasses.field(default_factory=list)
+  preempted: list = dataclasses.field(default_factory=list)
+
+
+class _R:
+  def __init__(self, request_id, prompt_len):
+    self.id = request_id
+    self.num_tokens = prompt_len   # known tokens (prompt + generated)
+    self.num_computed = 0
+    self.pending = False           # a sampled token is in flight
+
+
+class FakeScheduler:
+  """FCFS + chunked prefill + recompute preemption (no rotation), with lookahead."""
+
+  def __init__(self, config, block_manager, clock, max_model_len=None):
+    self.bm = block_manager
+    self.budget = config.max_num_batched_tokens
+    self.max_seqs = config.max_num_seqs
+    self.waiting = collections.deque()
+    self.running = []
+    self.reqs = {}
+    self.num_preempted = 0
+
+  def new_request(self, request_id, prompt_token_ids, **_):
+    return _R(request_id, len(prompt_token_ids))
+
+  def add_request(self, r):
+    self.reqs[r.id] = r
+    self.waiting.append(r)
+
+  def abort(self, req_id):
+    r = self.reqs.pop(req_id, None)
+    if r is None:
+      return
+    if r in self.running:
+      self.running.remove(r)
+    if r in self.waiting:
+      self.waiting.remove(r)
+    self.bm.free(req_id)
+
+  def _target(self, r, lookahead):
+    return r.num_tokens + (1 if (lookahead and r.pending) else 0)
+
+  def schedule(self, lookahead=False):
+    budget = self.budget
+    plan = FakePlan(scheduled=[])
+    scheduled = []
+    i = 0
+    while i < len(self.running) and budget > 0:
+      r = self.running[i]
+      n = min(self._target(r, lookahead) - r.num_computed, budget)
+      if n <= 0:
+        i += 1
+        continue
+      ok = True
+      while not self.bm.append_slots(r.id, n):
+        victim = self.running.pop()
+        self.bm.free(victim.id)
+        victim.num_computed = 0
+        self.waiting.appendleft(victim)
+        plan.preempted.append(victim.id)
+        self.num_preempted += 1
+        if victim is r:
+          ok = False
+          break
+      if not ok:
+        break
+      scheduled.append((r, n))
+      budget -= n
+      i += 1
+    while self.waiting and budget > 0 and len(self.running) < self.max_seqs and not plan.preempted:
+      r = self.waiting[0]
+      n = min(self._target(r, lookahead) - r.num_computed, budget)
+      if not self.bm.append_slots(r.id, n):
+        break
+      self.waiting.popleft()
+      self.running.append(r)
+      scheduled.append((r, n))
+      budget -= n
+    for r, n in scheduled:
+      plan.scheduled.append(FakeScheduledSeq(r.id, n, r.num_computed, self.bm.block_table(r.id)))
+      r.num_computed += n
+      self.bm.mark_computed(r.id, r.num_computed)
+      if r.num_computed >= self._target(r, lookahead):
+        r.pending = True
+    return plan
+
+  def on_step_done(self, plan, new_tokens, finished, now):
+    for rid, _ in new_tokens.items():
+      r = self.reqs.get(rid)
+      if r is not None:
+        r.num_tokens += 1
+    for rid in finished:
+      self.abort(rid)
+    # A request whose token arrived is no longer pending unless the plan it is in (lookahead) expects more.
+    for rid in new_tokens:
+      r = self.reqs.get(rid)
+      if r is not None:
+        r.pending = r.num_computed >= r.num_tokens
