@@ -70,6 +70,7 @@ class EngineConfig:
   pipeline: bool = True
   rotation_mode: str = "duplex"        # DuplexKV mode: "duplex" | "merged" | "naive" (Table 1 ablation)
   rotation_min_bucket: int = 1         # smallest block bucket of the rotation gather/scatter kernels
+  rotation_max_bucket: int = 16        # most blocks per gather/scatter launch (compile time grows with it)
   seed: int = 0                       # seeds requests that give no seed of their own
   # Shape-bucket floors of the ragged batch (tokens T, sequences S = logit rows R, block-table width MB);
   # each is rounded up to a power of two. Raising them trades padding compute for fewer compilations
@@ -116,6 +117,9 @@ class EngineConfig:
     if self.rotation_mode not in ROTATION_MODES:
       raise ValueError(f"unknown rotation mode {self.rotation_mode!r}; choose one of {ROTATION_MODES}")
     positive_int("rotation_min_bucket")
+    positive_int("rotation_max_bucket")
+    if self.rotation_max_bucket & (self.rotation_max_bucket - 1):
+      raise ValueError(f"EngineConfig.rotation_max_bucket must be a power of two, got {self.rotation_max_bucket}")
     if self.dtype not in DTYPES:
       raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {DTYPES}")
     return self
@@ -240,6 +244,8 @@ def define_engine_flags(flag_values=None) -> None:
   flags.DEFINE_integer("engine_seed", d.seed, "seed for requests that give none", flag_values=fv)
   flags.DEFINE_enum("rotation_mode", d.rotation_mode, list(ROTATION_MODES),
                     "DuplexKV transfer mode (duplex | merged | naive)", flag_values=fv)
+  flags.DEFINE_integer("rotation_max_bucket", d.rotation_max_bucket,
+                       "most blocks per rotation gather/scatter launch (power of two)", flag_values=fv)
   flags.DEFINE_integer("rotation_min_bucket", d.rotation_min_bucket,
                        "smallest block bucket of the rotation kernels", flag_values=fv)
   flags.DEFINE_integer("token_bucket_floor", d.token_bucket_floor, "min token bucket of a step",
@@ -268,6 +274,7 @@ def engine_config_from_flags(flag_values=None) -> EngineConfig:
       max_model_len=fv.max_model_len or None,
       attention=fv.attention, dtype=fv.dtype, pipeline=fv.pipeline, seed=fv.engine_seed,
       rotation_mode=fv.rotation_mode, rotation_min_bucket=fv.rotation_min_bucket,
+      rotation_max_bucket=fv.rotation_max_bucket,
       token_bucket_floor=fv.token_bucket_floor, seq_bucket_floor=fv.seq_bucket_floor,
       blocks_bucket_floor=fv.blocks_bucket_floor,
   ).validate()

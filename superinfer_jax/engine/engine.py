@@ -572,6 +572,36 @@ class LLMEngine:
       pass
     return [self.get_request(i) for i in ids]
 
+  def precompile_steps(self) -> int:
+    """Compiles the model step for every token bucket up to ``max_num_batched_tokens`` at the configured
+    sequence and block-table floors, by running dummy one-sequence batches. Only an idle engine may do
+    this (its K/V land in free device blocks, which any later owner overwrites before reading). With the
+    floors at their maxima (``seq_bucket_floor = max_num_seqs``, ``blocks_bucket_floor`` >= blocks of the
+    longest request) that is every shape a run can hit. Returns the compiled step variants afterwards."""
+    if self._inflight is not None or self._unfinished:
+      raise RuntimeError("precompile_steps() needs an idle engine (no request queued or running)")
+    c = self.config
+    num_tokens = c.token_bucket_floor
+    top = integ.bucket(c.max_num_batched_tokens)
+    while True:
+      n = min(num_tokens, self.max_model_len, self.num_device_blocks * c.block_size)
+      seqs = [([0] * n, 0, list(range(1, self.kv_spec.blocks_for_tokens(n) + 1)))]
+      batch, _ = integ.build_batch(seqs, c.block_size, c)
+      samp = sampling_lib.SamplingArrays.empty(integ.num_logit_rows(batch))
+      packed, dims = packing.pack(batch, samp)
+      tokens, self.kv_cache = _jit_step(self.params, self.kv_cache, jax.device_put(packed), dims=dims,
+                                        **self._step_kwargs)
+      jax.block_until_ready(tokens)
+      if num_tokens >= top:
+        return self.num_compiled_shapes()
+      num_tokens *= 2
+
+  def precompile_rotation(self) -> None:
+    """Compiles every rotation gather/scatter bucket now, so none compiles inside a timed run (the jit
+    caches are process-wide). No-op without a host pool or while a step is in flight."""
+    if self.duplex is not None and self._inflight is None:
+      self.kv_cache = self.duplex.precompile(self.kv_cache)
+
   def num_compiled_shapes(self) -> int:
     """Compiled variants of the (process-wide) jitted step: bounded by the bucket scheme."""
     size = getattr(_jit_step, "_cache_size", None)   # private jax API (0.10 / 0.11); -1 if absent

@@ -47,10 +47,14 @@ def eos_token_ids(cfg, tokenizer) -> set[int]:
 
 
 def init_kv_cache(spec, num_blocks: int):
-  """Zeroed device cache of ``num_blocks`` blocks (block 0 = padding) for ``spec`` (kv/layout.py)."""
+  """Zeroed device cache of ``num_blocks`` blocks (block 0 = padding) for ``spec`` (kv/layout.py).
+
+  Committed to the device: the rotation kernels return a committed cache, and a jitted step sees a
+  committed and an uncommitted argument as two signatures (one compilation each)."""
+  import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from superinfer_jax.model.params import DTYPES  # pylint: disable=import-outside-toplevel
-  return jnp.zeros(spec.shape(num_blocks), DTYPES[spec.dtype])
+  return jax.device_put(jnp.zeros(spec.shape(num_blocks), DTYPES[spec.dtype]), jax.local_devices()[0])
 
 
 def forward(params, kv_cache, batch, cfg, attention):
@@ -65,6 +69,11 @@ def build_batch(seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]], block_
                  seq_floor=config.seq_bucket_floor, blocks_floor=config.blocks_bucket_floor,
                  rows_floor=config.seq_bucket_floor)
   return batch, list(range(len(seqs)))
+
+
+def bucket(n: int, floor: int = 1) -> int:
+  from superinfer_jax.model.batch import bucket as _bucket  # pylint: disable=import-outside-toplevel
+  return _bucket(n, floor)
 
 
 def num_logit_rows(batch) -> int:
@@ -136,7 +145,7 @@ def make_duplex(spec, num_host_blocks: int, config):
   kinds = {m.kind for m in device.addressable_memories()}
   kind = "pinned_host" if "pinned_host" in kinds else "unpinned_host"
   return DuplexKV(spec, num_host_blocks, mode=config.rotation_mode, device=device, host_memory_kind=kind,
-                  min_bucket=config.rotation_min_bucket)
+                  min_bucket=config.rotation_min_bucket, max_bucket=config.rotation_max_bucket)
 
 
 # ----------------------------------------------------------------------------------------------- seeds

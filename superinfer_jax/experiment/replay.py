@@ -27,7 +27,7 @@ class ReplayResult:
   duration_s: float                      # first arrival -> last token (or time limit)
   engine_stats: dict[str, Any]
   rejected: list[tuple[str, str]]        # (request id, error) refused at add_request
-  compilations: int                      # model-step compilations that happened during the replay
+  compilations: tuple[int, int]          # (model-step, rotation) compilations during the replay
   timed_out: bool = False
 
 
@@ -39,6 +39,12 @@ def _progress_bar(total: int, desc: str, enabled: bool):
   except ImportError:
     return None
   return tqdm(total=total, desc=desc, unit="req", leave=False, dynamic_ncols=True)
+
+
+def _compilations(engine) -> tuple[int, int]:
+  """(model-step, rotation-kernel) compiled variants so far (process-wide jit caches)."""
+  from superinfer_jax.rotation import kernels  # pylint: disable=import-outside-toplevel
+  return engine.num_compiled_shapes(), kernels.compiled_variants() or 0
 
 
 def replay_workload(engine, requests: Sequence[Any], *, desc: str = "replay", progress: bool = True,
@@ -59,7 +65,7 @@ def replay_workload(engine, requests: Sequence[Any], *, desc: str = "replay", pr
   recorder = TimelineRecorder()
   rejected: list[tuple[str, str]] = []
   live: set[str] = set()
-  compiled_before = engine.num_compiled_shapes()
+  compiled_before = _compilations(engine)
   bar = _progress_bar(len(pending), desc, progress)
   t0 = clock.now()
   nxt = 0
@@ -120,4 +126,5 @@ def replay_workload(engine, requests: Sequence[Any], *, desc: str = "replay", pr
     bar.close()
   return ReplayResult(timelines=recorder.timelines(), duration_s=max(last_token_t - t0, 1e-9),
                       engine_stats=engine.stats.as_dict(), rejected=rejected,
-                      compilations=engine.num_compiled_shapes() - compiled_before, timed_out=timed_out)
+                      compilations=tuple(a - b for a, b in zip(_compilations(engine), compiled_before)),
+                      timed_out=timed_out)

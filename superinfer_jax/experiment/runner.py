@@ -70,6 +70,8 @@ def _warm_up(model_tuple, engine_config, workload, progress: bool) -> int:
   from superinfer_jax.engine.config import SamplingParams  # pylint: disable=import-outside-toplevel
   from superinfer_jax.engine.engine import LLMEngine  # pylint: disable=import-outside-toplevel
   engine = LLMEngine(model_tuple, engine_config)
+  engine.precompile_rotation()
+  engine.precompile_steps()
   prompts = [s.prompt_token_ids for s in workload]
   params = [SamplingParams(max_tokens=min(s.output_len, 24), ignore_eos=True) for s in workload]
   t = time.perf_counter()
@@ -145,7 +147,8 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
                  "block_size": engine_config.block_size, "rotations_in": st["rotations_in"],
                  "blocks_out": st["blocks_out"], "blocks_writeback": st["blocks_writeback"],
                  "blocks_in": st["blocks_in"], "steps": st["steps"],
-                 "host_time_share": st["host_time_share"], "compilations_during_run": res.compilations,
+                 "host_time_share": st["host_time_share"], "step_compilations_during_run": res.compilations[0],
+                 "rotation_compilations_during_run": res.compilations[1],
                  "num_rejected": len(res.rejected), "timed_out": res.timed_out,
                  "pipeline": engine_config.pipeline, "attention": engine_config.attention,
                  "dtype": engine_config.dtype})
