@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: test run install clean
+.PHONY: test run generate install clean
 
 install: $(STAMP)
 
@@ -19,7 +19,12 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
+# Main job: fcfs vs rotasched on real SmolLM2 + real ShareGPT prompts (configs/experiments/main.flags).
 run: $(STAMP)
+	$(PY) scripts/run_experiment.py --flagfile=configs/experiments/main.flags
+
+# A quick real completion from SmolLM2 (the engine end to end, no experiment).
+generate: $(STAMP)
 	$(PY) scripts/generate.py --model=smollm2-135m --max_tokens=48 \
 	  --prompt="The capital of France is" --prompt="Write a haiku about memory:"
 
