@@ -1,5 +1,7 @@
 """Unit tests for the KV block manager (superinfer_jax/kv/block_manager.py)."""
+import collections
 import os
+import random
 import subprocess
 import sys
 
@@ -232,20 +234,92 @@ def test_swapped_request_rejects_device_ops():
     bm.mark_computed("a", 4)
 
 
-@pytest.mark.parametrize("corrupt", ["double_owner", "ref", "free_list", "cover", "wb"])
+@pytest.mark.parametrize("seed", range(4))
+def test_free_lists_stay_fifo_under_bulk_allocation(seed):
+  """Bulk take/release (list slices + head index, with compaction) hands out exactly the blocks a FIFO deque
+  would, in the same order, for every operation that allocates or frees."""
+  rng = random.Random(seed)
+  ndev, nhost, bs = 24, 40, 4
+  bm = BlockManager(ndev, nhost, bs)
+  dev_ref = collections.deque(range(1, ndev + 1))
+  host_ref = collections.deque(range(nhost))
+  live = {}  # rid -> (device table, host table) as the reference expects them
+  for step in range(400):
+    op = rng.choice(["new", "grow", "compute_wb", "out", "in", "free", "drop"])
+    resident = sorted(r for r in live if not bm.is_swapped(r))
+    swapped = sorted(r for r in live if bm.is_swapped(r))
+    if op == "new":
+      n = rng.randint(1, 3 * bs)
+      if bm.append_slots(step, n):
+        assert bm.block_table(step) == [dev_ref.popleft() for _ in range(-(-n // bs))]
+        live[step] = True
+    elif op == "grow" and resident:
+      rid = rng.choice(resident)
+      before = bm.block_table(rid)
+      if bm.append_slots(rid, rng.randint(0, 2 * bs)):
+        new = bm.block_table(rid)[len(before):]
+        assert new == [dev_ref.popleft() for _ in new]
+    elif op == "compute_wb" and resident:
+      rid = rng.choice(resident)
+      bm.mark_computed(rid, bm.num_tokens(rid))
+      hosts_before = {r: bm.host_block_table(r) for r in live}
+      pairs = bm.take_writebacks(max_blocks=rng.choice([None, 2]), min_free_host=rng.randint(0, 3))
+      fresh = [h for _, h in pairs if all(h not in t for t in hosts_before.values())]
+      assert fresh == [host_ref.popleft() for _ in fresh]
+    elif op == "out" and resident:
+      rid = rng.choice(resident)
+      dev, host = bm.block_table(rid), bm.host_block_table(rid)
+      pairs = bm.swap_out(rid)
+      if pairs is not None:
+        fresh = [h for _, h in pairs if h not in host]
+        assert fresh == [host_ref.popleft() for _ in fresh]
+        dev_ref.extend(dev)
+        n = bm.num_blocks(rid)
+        host_ref.extend(h for h in host[n:] if h != -1)
+    elif op == "in" and swapped:
+      rid = rng.choice(swapped)
+      pairs = bm.swap_in(rid)
+      if pairs is not None:
+        assert [d for _, d in pairs] == [dev_ref.popleft() for _ in pairs]
+    elif op == "free" and live:
+      rid = rng.choice(sorted(live))
+      dev = [] if bm.is_swapped(rid) else bm.block_table(rid)
+      host = bm.host_block_table(rid)
+      bm.free(rid)
+      del live[rid]
+      dev_ref.extend(dev)
+      host_ref.extend(h for h in host if h != -1)
+    elif op == "drop" and resident:
+      rid = rng.choice(resident)
+      host = bm.host_block_table(rid)
+      bm.drop_host_mirrors(rid)
+      host_ref.extend(h for h in host if h != -1)
+    bm.check_invariants()
+    assert bm._free_device_ids() == list(dev_ref)
+    assert bm._free_host_ids() == list(host_ref)
+    assert bm.num_free_device_blocks == len(dev_ref) and bm.num_free_host_blocks == len(host_ref)
+
+
+@pytest.mark.parametrize("corrupt", ["double_owner", "lost_block", "free_list", "free_dup", "host_free_list",
+                                     "cover", "wb"])
 def test_check_invariants_detects_corruption(corrupt):
   bm = BlockManager(6, 6, block_size=4)
   bm.append_slots("a", 8)
   bm.append_slots("b", 4)
   bm.mark_computed("a", 8)
+  bm.take_writebacks(max_blocks=1)
   bm.check_invariants()
   s = bm._seqs["a"]
   if corrupt == "double_owner":
     bm._seqs["b"].dev[0] = s.dev[0]
-  elif corrupt == "ref":
-    bm._dev_ref[s.dev[0]] = 2
+  elif corrupt == "lost_block":  # a block neither owned nor free
+    bm._dev_head += 1
   elif corrupt == "free_list":
     bm._dev_free.append(s.dev[0])
+  elif corrupt == "free_dup":
+    bm._dev_free.append(bm._dev_free[-1])
+  elif corrupt == "host_free_list":
+    bm._host_free.append(s.host[0])
   elif corrupt == "cover":
     s.num_tokens = 9
   elif corrupt == "wb":

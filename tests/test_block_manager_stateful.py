@@ -47,11 +47,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
       self.dev[d] = data
 
   def _poison_freed(self, dev_blocks, host_blocks):
+    dev_free = set(self.bm._free_device_ids())
+    host_free = set(self.bm._free_host_ids())
     for b in dev_blocks:
-      if b != NO_BLOCK and self.bm._dev_ref[b] == 0:
+      if b != NO_BLOCK and b in dev_free:
         self.dev[b] = [POISON] * BS
     for b in host_blocks:
-      if b != NO_BLOCK and self.bm._host_ref[b] == 0:
+      if b != NO_BLOCK and b in host_free:
         self.host[b] = [POISON] * BS
 
   # ------------------------------------------------------------------ rules

@@ -25,8 +25,8 @@ def _word_tokenizer():
 
 @pytest.fixture(scope="module")
 def tiny_hf_dir(tmp_path_factory):
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
+  import torch
+  import transformers
   from superinfer_jax.model.tokenizer import Tokenizer, save_tokenizer
   d = str(tmp_path_factory.mktemp("tiny_llama"))
   torch.manual_seed(0)

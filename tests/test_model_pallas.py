@@ -3,7 +3,7 @@ import jax
 import numpy as np
 import pytest
 
-model = pytest.importorskip("superinfer_jax.model")
+import superinfer_jax.model as model  # noqa: E402
 from superinfer_jax.model.config import ModelConfig  # noqa: E402
 from superinfer_jax.model.params import init_random_params  # noqa: E402
 
@@ -44,3 +44,14 @@ def test_pallas_mixed_step_matches_reference():
   want, _ = model.forward(params, cache, batch, cfg, "reference")
   got, _ = model.forward(params, cache, batch, cfg, "pallas")
   np.testing.assert_allclose(np.asarray(got[:rows]), np.asarray(want[:rows]), atol=1e-4, rtol=1e-4)
+
+
+def test_auto_backend_is_reference_on_cpu_and_names_are_checked():
+  import jax
+  from pallas_kernels.reference import ragged_paged_attention_reference
+  from superinfer_jax.model.attention import attention_backend_names, get_attention_backend
+  assert jax.default_backend() == "cpu"
+  assert get_attention_backend("auto") is ragged_paged_attention_reference
+  assert set(attention_backend_names()) == {"auto", "reference", "pallas"}
+  with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+    get_attention_backend("flash")

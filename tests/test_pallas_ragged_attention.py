@@ -162,7 +162,7 @@ def test_pallas_hypothesis_random_compositions(seqs, seed, splits, dtype):
 
 def test_pallas_matches_jax_paged_attention_decode():
   """Numerical cross-check with JAX's own GPU paged_attention (interpret mode on CPU)."""
-  pa = pytest.importorskip("jax.experimental.pallas.ops.gpu.paged_attention")
+  from jax.experimental.pallas.ops.gpu import paged_attention as pa
   rng = np.random.default_rng(3)
   b, hq, hkv, d, bs, mb = 4, 8, 2, 64, 16, 4
   ctx = [1, 17, 64, 40]

@@ -423,3 +423,48 @@ def test_clocks():
 
 def test_all_policies_registered():
   assert set(POLICIES) >= {"fcfs", "fcfs_swap", "wf", "sf", "rotasched", "rotasched_code", "edf"}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sorted_queue_matches_a_sorted_list(seed):
+  """push/remove (with the append-at-tail and remove-at-head fast paths) keep (key, push order) order."""
+  import random
+  from superinfer_jax.sched.scheduler import SortedQueue
+  rng = random.Random(seed)
+  q = SortedQueue()
+  ref = []  # (key, push counter, request)
+  n = 0
+  for i in range(600):
+    if ref and rng.random() < 0.4:
+      j = 0 if rng.random() < 0.5 else rng.randrange(len(ref))  # often the head, as admission does
+      q.remove(ref.pop(j)[2])
+    else:
+      r = Request(i, 1, 1, 0.0)
+      # Mostly non-decreasing keys (the tail fast path), with ties and some out-of-order keys.
+      key = (float(rng.choice([n // 3, n // 3, rng.randrange(n // 3 + 1)])),)
+      n += 1
+      q.push(r, key)
+      ref.append((key, n, r))
+      ref.sort(key=lambda e: (e[0], e[1]))
+    assert q.requests() == [e[2] for e in ref]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lvf_merge_matches_heapq_merge(seed):
+  """RotaSched's two-way merge yields the order of heapq.merge with the (-VLT, -lag) key, ties to waiting."""
+  import heapq
+  import random
+  from superinfer_jax.sched.policies import _lvf_merge
+  rng = random.Random(seed)
+  for _ in range(50):
+    now, alpha = rng.choice([0.0, 1.0, 2.5]), rng.choice([0.5, 1.0, 3.0])
+    pick = lambda: float(rng.randint(0, 8)) / 2  # coarse, so VLT ties (ReLU at 0, equal lags) are common
+    w = sorted(((pick(),), i, f"w{i}") for i in range(rng.randint(0, 6)))
+    r = sorted(((pick(),), i, f"r{i}") for i in range(rng.randint(0, 6)))
+
+    def key(e, a):
+      x = a * (now - e[0][0])
+      return (-(x if x > 0 else 0.0), -x)
+
+    expect = [e[2] for e in heapq.merge(w, r, key=lambda e: key(e, alpha if e[2][0] == "r" else 1.0))]
+    assert list(_lvf_merge(w, r, now, alpha)) == expect

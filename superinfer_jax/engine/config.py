@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 # Policy names the scheduler package registers (PAPER.md §2-3). The authoritative list is
 # ``superinfer_jax.sched``'s registry when it exposes one; this is the fallback.
 KNOWN_POLICIES = ("fcfs", "fcfs_swap", "wf", "sf", "rotasched", "rotasched_code")
-ATTENTION_BACKENDS = ("reference", "pallas")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas")  # auto: pallas on GPU, reference on CPU
 DTYPES = ("float32", "bfloat16")
 ROTATION_MODES = ("duplex", "merged", "naive")
 
@@ -65,7 +65,7 @@ class EngineConfig:
   max_num_batched_tokens: int = 512
   max_num_seqs: int = 64
   max_model_len: Optional[int] = None  # None: the model's max positions
-  attention: str = "reference"
+  attention: str = "auto"
   dtype: str = "float32"
   pipeline: bool = True
   rotation_mode: str = "duplex"        # DuplexKV mode: "duplex" | "merged" | "naive" (Table 1 ablation)

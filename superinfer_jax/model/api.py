@@ -79,7 +79,7 @@ def _fresh_cache(cfg: ModelConfig, params, num_tokens: int, block_size: int):
   return init_kv_cache(cfg, num_blocks, block_size, dtype), list(range(1, nb + 1))
 
 
-def score(params, cfg: ModelConfig, token_ids: Sequence[int], attention: str = "reference",
+def score(params, cfg: ModelConfig, token_ids: Sequence[int], attention: str = "auto",
           chunk_size: int | None = None, block_size: int = 16) -> np.ndarray:
   """Next-token logits ``[len(token_ids), vocab]`` float32 for every prefix, through the paged step.
 
@@ -101,7 +101,7 @@ def score(params, cfg: ModelConfig, token_ids: Sequence[int], attention: str = "
 
 
 def greedy_generate(params, cfg: ModelConfig, token_ids: Sequence[int], max_new_tokens: int, *,
-                    attention: str = "reference", chunk_size: int | None = None, block_size: int = 16,
+                    attention: str = "auto", chunk_size: int | None = None, block_size: int = 16,
                     stop_token_ids: Sequence[int] | None = None) -> list[int]:
   """Greedy continuation (argmax) of a prompt: chunked paged prefill, then one paged decode step per token.
 

@@ -3,7 +3,9 @@
 Every backend has the signature
 ``attn(q[T,Hq,D], kv_cache[NB,L,2,BS,Hkv,D], layer, block_tables[S,MB], context_lens[S],
 query_start_loc[S+1], *, scale) -> [T,Hq,D]`` and reads K/V that the model has already written.
-Backends are looked up by name so the name (a string) can be a static jit argument.
+Backends are looked up by name so the name (a string) can be a static jit argument. ``"auto"`` is the
+default everywhere: ``pallas`` on a GPU, ``reference`` elsewhere (Pallas on CPU runs only in interpret
+mode, correct but slow).
 """
 from __future__ import annotations
 
@@ -27,13 +29,24 @@ def _pallas() -> AttentionFn:
 _BACKENDS: dict[str, Callable[[], AttentionFn]] = {"reference": _reference, "pallas": _pallas}
 
 
+AUTO = "auto"
+
+
 def attention_backend_names() -> tuple[str, ...]:
-  return tuple(_BACKENDS)
+  return (AUTO,) + tuple(_BACKENDS)
+
+
+def default_backend_name() -> str:
+  """What ``"auto"`` means on this process's default JAX backend."""
+  import jax  # pylint: disable=import-outside-toplevel
+  return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "reference"
 
 
 @functools.cache
 def get_attention_backend(name: str) -> AttentionFn:
-  """The attention function registered as ``name`` ("reference", "pallas"). Unknown name -> ValueError."""
+  """The attention function registered as ``name`` ("auto", "reference", "pallas"). Unknown -> ValueError."""
+  if name == AUTO:
+    name = default_backend_name()
   if name not in _BACKENDS:
     raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")
   return _BACKENDS[name]()

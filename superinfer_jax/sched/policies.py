@@ -146,39 +146,45 @@ class RotationPolicy(Policy):
           break
       return
     plan.contention = True
-    # --- 2. prioritize
+    # --- 2. prioritize (hot loop: request fields are read inline rather than through properties)
     bs = bm.block_size
+    step = sched.step_id
     b_used = 0
     in_blocks = 0
     tokens = sched.budget_left() - run_tokens
     R = []
     scanned = 0
     skips = 0
+    scan_limit = cfg.lvf_scan_limit
     max_skips = cfg.lvf_max_skips
+    max_seqs = cfg.max_num_seqs
+    b_all = b_hbm + bx
+    urgent = None if type(self).urgent is RotationPolicy.urgent else self.urgent  # None: always urgent
     for r in self.candidates(sched, now):
       scanned += 1
-      if (scanned > cfg.lvf_scan_limit or skips >= max_skips or tokens <= 0
-          or len(R) >= cfg.max_num_seqs or b_used >= b_hbm + bx):
+      if (scanned > scan_limit or skips >= max_skips or tokens <= 0
+          or len(R) >= max_seqs or b_used >= b_all):
         break
-      if r._touched_step == sched.step_id or r.inflight_samples:
+      if r._touched_step == step or r.inflight_samples:
         continue
-      blk = -(-r.planned_tokens // bs)
-      limit = b_hbm + bx if self.urgent(r, now) else b_hbm
+      planned = r.prompt_len + r.num_generated  # + inflight_samples, which is 0 here
+      blk = (planned + bs - 1) // bs
+      limit = b_all if urgent is None or urgent(r, now) else b_hbm
       if b_used + blk > limit:
         skips += 1
         continue
       if r.state is ROTARY:
-        nin = bm.blocks_to_swap_in(r.req_id)
+        # bm.blocks_to_swap_in(r.req_id): a rotary request's host blocks cover exactly its computed tokens.
+        nin = (r.num_computed_tokens + bs - 1) // bs
         if not (in_blocks + nin <= bx or in_blocks == 0):
           skips += 1
           continue
-      skips = 0
-      if r.state is ROTARY:
         in_blocks += nin
         tokens -= 1
       else:
-        rem = r.planned_tokens - r.num_computed_tokens
+        rem = planned - r.num_computed_tokens
         tokens -= rem if rem < tokens else tokens
+      skips = 0
       R.append(r)
       b_used += blk
     # --- 3. preempt from the tail of L (longest-running first)
@@ -187,27 +193,42 @@ class RotationPolicy(Policy):
     victims = []
     out_copies = 0
     if b_swap > 0 or seats > 0:
+      victim_ok = None if type(self).victim_ok is RotationPolicy.victim_ok else self.victim_ok
+      copies_of = bm.swap_out_copies
       for v in sched.running.values():
         if b_swap <= 0 and seats <= 0:
           break
-        if not self.victim_ok(v, now) or not sched.rotatable(v):
+        if victim_ok is None:
+          if not now - v.state_time > 0:  # RotationPolicy.victim_ok: VLT(v) < 0
+            continue
+        elif not victim_ok(v, now):
           continue
-        copies = bm.swap_out_copies(v.req_id)
+        # Scheduler.rotatable(v), inline.
+        if (v.prompt_len + v.num_generated + v.inflight_samples - v.num_computed_tokens != 1
+            or v._touched_step == step or v.num_generated + v.inflight_samples <= v._gen_at_admit):
+          continue
+        rid = v.req_id
+        copies = copies_of(rid)
         if not (out_copies + copies <= bx or out_copies == 0):
           continue
         victims.append(v)
         out_copies += copies
-        b_swap -= bm.num_blocks(v.req_id)
+        b_swap -= (v.num_computed_tokens + bs - 1) // bs  # bm.num_blocks(rid): running => all computed
         seats -= 1
     # --- 4. execute
     for v in victims:
       if not sched.rotate_out(v) and cfg.proactive_recompute:
         sched.preempt(v)  # host pool full: fall back to recompute (opt-in; see SchedulerConfig)
     sched.schedule_running(self.reactive_mode, swap_cap=bx)
+    swap_in = sched.swap_in
+    admit_waiting = sched.admit_waiting
     for r in R:
       if sched.budget_left() <= 0 or sched.seats_left() <= 0:
         break
-      sched.admit(r, cap=bx)
+      if r.state is ROTARY:  # sched.admit(r, cap=bx)
+        swap_in(r, bx)
+      else:
+        admit_waiting(r)
 
 
 class WaitingFirst(RotationPolicy):
@@ -242,19 +263,7 @@ class RotaSched(RotationPolicy):
     return (rotary_ref_time(r) + cfg.beta_b * sb,)
 
   def candidates(self, sched, now):
-    alpha = sched.config.alpha
-
-    def wkey(e):
-      x = now - e[0][0]
-      return (-(x if x > 0 else 0.0), -x)
-
-    def rkey(e):
-      x = alpha * (now - e[0][0])
-      return (-(x if x > 0 else 0.0), -x)
-
-    merged = heapq.merge(sched.waiting.entries(), sched.rotary.entries(),
-                         key=lambda e: rkey(e) if e[2].state is ROTARY else wkey(e))
-    return (e[2] for e in merged)
+    return _lvf_merge(sched.waiting.entries(), sched.rotary.entries(), now, sched.config.alpha)
 
 
 class EDF(RotationPolicy):
@@ -326,6 +335,44 @@ class RotaSchedCode(Policy):
         continue  # protect the DRAM pool: fresh requests wait
       if not sched.admit(r):
         break
+
+
+def _lvf_merge(waiting: list, rotary: list, now: float, alpha: float) -> Iterator[Request]:
+  """Largest VLT first over the two queue snapshots (each sorted by its VLT zero point, ascending).
+
+  The same order as ``heapq.merge(waiting, rotary, key=k)`` with ``k = (-VLT, -x)``, ``x`` the un-ReLU'd lag
+  (``now - key`` for waiting, ``alpha * (now - key)`` for rotary), ties going to waiting. A plain two-way
+  merge that computes a key only when a queue's head changes, because the scan runs every step.
+  """
+  nw = len(waiting)
+  nr = len(rotary)
+  i = j = 0
+  if i < nw:
+    xw = now - waiting[0][0][0]
+    vw = xw if xw > 0 else 0.0
+  if j < nr:
+    xr = alpha * (now - rotary[0][0][0])
+    vr = xr if xr > 0 else 0.0
+  while i < nw and j < nr:
+    # Rotary first iff its key (-vr, -xr) is strictly smaller than waiting's (-vw, -xw).
+    if vr > vw or (vr == vw and xr > xw):
+      yield rotary[j][2]
+      j += 1
+      if j < nr:
+        xr = alpha * (now - rotary[j][0][0])
+        vr = xr if xr > 0 else 0.0
+    else:
+      yield waiting[i][2]
+      i += 1
+      if i < nw:
+        xw = now - waiting[i][0][0]
+        vw = xw if xw > 0 else 0.0
+  while i < nw:
+    yield waiting[i][2]
+    i += 1
+  while j < nr:
+    yield rotary[j][2]
+    j += 1
 
 
 POLICIES = {p.name: p for p in (FCFS, FCFSSwap, WaitingFirst, SwappedFirst, RotaSched, RotaSchedCode, EDF)}

@@ -116,15 +116,24 @@ class SortedQueue:
   def push(self, r: Request, key) -> None:
     self._seq += 1
     entry = (key, self._seq, r)
-    bisect.insort(self._items, entry)
+    items = self._items
+    # Fast path: keys are mostly times that only grow (arrivals, last-token times), so most pushes append.
+    if not items or items[-1][0] <= key:
+      items.append(entry)  # the new seq is the largest, so entry sorts after every equal key
+    else:
+      bisect.insort(items, entry)
     r._qentry = entry
 
   def remove(self, r: Request) -> None:
     entry = r._qentry
-    i = bisect.bisect_left(self._items, entry)
-    if i >= len(self._items) or self._items[i] is not entry:
-      raise KeyError(f"{r!r} not in this queue")
-    del self._items[i]
+    items = self._items
+    if items and items[0] is entry:  # fast path: admission takes from the head
+      del items[0]
+    else:
+      i = bisect.bisect_left(items, entry)
+      if i >= len(items) or items[i] is not entry:
+        raise KeyError(f"{r!r} not in this queue")
+      del items[i]
     r._qentry = None
 
   def __len__(self) -> int:
@@ -253,13 +262,15 @@ class Scheduler:
   def _enqueue_waiting(self, r: Request, preempted: bool) -> None:
     key = self.policy.preempted_key(r, self) if preempted else self.policy.waiting_key(r, self)
     self.waiting.push(r, key)
-    r._demand = self.blocks_for(r.planned_tokens)
-    self._demand += r._demand
+    d = -(-(r.prompt_len + r.num_generated + r.inflight_samples) // self.bm.block_size)
+    r._demand = d
+    self._demand += d
 
   def _enqueue_rotary(self, r: Request) -> None:
     self.rotary.push(r, self.policy.rotary_key(r, self))
-    r._demand = self.blocks_for(r.planned_tokens)
-    self._demand += r._demand
+    d = -(-(r.prompt_len + r.num_generated + r.inflight_samples) // self.bm.block_size)
+    r._demand = d
+    self._demand += d
 
   def _dequeue(self, r: Request) -> None:
     if r.state is ROTARY:
@@ -312,15 +323,18 @@ class Scheduler:
         reserve = cfg.proactive_swap_budget
       plan.writeback = bm.take_writebacks(cfg.max_writeback_blocks, reserve)
     reqs = self.requests
+    mark = bm.mark_computed
     total = 0
     for seq in plan.scheduled:
-      r = reqs[seq.req_id]
-      new = seq.num_computed_tokens + seq.num_new_tokens
-      bm.mark_computed(seq.req_id, new)
+      rid = seq.req_id
+      r = reqs[rid]
+      n = seq.num_new_tokens
+      new = seq.num_computed_tokens + n
+      mark(rid, new)
       r.num_computed_tokens = new
       if seq.sample:
         r.inflight_samples += 1
-      total += seq.num_new_tokens
+      total += n
     plan.num_batched_tokens = total
     t = self.totals
     t["steps"] += 1
@@ -359,21 +373,22 @@ class Scheduler:
     for r in self.running.values():
       if budget <= 0:
         break
-      rem = r.planned_tokens - r.num_computed_tokens
-      if rem <= 0 or r.num_generated + r.inflight_samples >= r.max_tokens:
+      gen = r.num_generated + r.inflight_samples
+      c = r.num_computed_tokens
+      rem = r.prompt_len + gen - c
+      if rem <= 0 or gen >= r.max_tokens:
         continue
       n = rem if rem < budget else budget
       # Resident: the manager covers exactly num_computed_tokens slots.
-      have = -(-r.num_computed_tokens // bs)
-      need = -(-(r.num_computed_tokens + n) // bs) - have
-      blocks += need
+      blocks += (c + n + bs - 1) // bs - (c + bs - 1) // bs
       budget -= n
     return blocks, self._budget - budget
 
   def _emit(self, r: Request, n: int) -> None:
-    seq = ScheduledSeq(r.req_id, n, r.num_computed_tokens, self.bm.block_table(r.req_id),
-                       r.num_computed_tokens + n == r.planned_tokens)
-    self._plan.scheduled.append(seq)
+    c = r.num_computed_tokens
+    rid = r.req_id
+    self._plan.scheduled.append(ScheduledSeq(rid, n, c, self.bm.block_table(rid),
+                                             c + n == r.prompt_len + r.num_generated + r.inflight_samples))
     self._budget -= n
 
   def schedule_running(self, reactive_mode: str = "recompute", swap_cap: int | None = None) -> bool:
@@ -383,24 +398,32 @@ class Scheduler:
     to recompute for mid-prefill victims, when ``swap_cap`` would be exceeded, or when the host pool is full).
     """
     bm = self.bm
+    append_slots = bm.append_slots
+    block_table = bm.block_table
+    emit = self._plan.scheduled.append
+    step = self._step
     evicted = False
     for r in list(self.running.values()):
-      if r.state is not RUNNING or r._touched_step == self._step:
+      if r.state is not RUNNING or r._touched_step == step:
         continue  # evicted in this loop, or admitted/rotated in this step (already scheduled)
-      if self._budget <= 0:
+      budget = self._budget
+      if budget <= 0:
         break
-      rem = r.planned_tokens - r.num_computed_tokens
-      if rem <= 0 or self.will_finish(r):
+      gen = r.num_generated + r.inflight_samples
+      rem = r.prompt_len + gen - r.num_computed_tokens
+      if rem <= 0 or gen >= r.max_tokens:  # nothing to compute, or will_finish(r)
         continue
-      n = rem if rem < self._budget else self._budget
-      while not bm.append_slots(r.req_id, n):
+      n = rem if rem < budget else budget
+      rid = r.req_id
+      while not append_slots(rid, n):
         victim = self._reactive_victim(r, reactive_mode, swap_cap)
         self.evict(victim, reactive_mode, swap_cap)
         evicted = True
         if victim is r:
           break
-      else:
-        self._emit(r, n)
+      else:  # _emit(r, n), inline
+        emit(ScheduledSeq(rid, n, r.num_computed_tokens, block_table(rid), n == rem))
+        self._budget -= n
     return evicted
 
   def _reactive_victim(self, r: Request, mode: str, swap_cap: int | None) -> Request:
@@ -434,21 +457,26 @@ class Scheduler:
   def rotate_out(self, r: Request) -> bool:
     """Running -> ROTARY (KV to host). False (no change) if the host pool lacks room."""
     assert r.state is RUNNING and self.rotatable(r), r
-    pairs = self.bm.swap_out(r.req_id)
-    if pairs is None and self._reclaim_host_mirrors(self.bm.blocks_to_swap_out(r.req_id), r):
-      pairs = self.bm.swap_out(r.req_id)
+    rid = r.req_id
+    bm = self.bm
+    pairs = bm.swap_out(rid)
+    if pairs is None and self._reclaim_host_mirrors(bm.blocks_to_swap_out(rid), r):
+      pairs = bm.swap_out(rid)
     if pairs is None:
       return False
     plan = self._plan
-    plan.swap_out.extend(pairs)
-    plan.rotated_out.append(r.req_id)
+    plan.swap_out += pairs
+    plan.rotated_out.append(rid)
     self._out_moved += len(pairs)
-    del self.running[r.req_id]
+    del self.running[rid]
     r.state = ROTARY
     r.state_time = self._now
     r._touched_step = self._step
     r.num_rotations += 1
-    self._enqueue_rotary(r)
+    self.rotary.push(r, self.policy.rotary_key(r, self))  # _enqueue_rotary(r), inline
+    d = (r.prompt_len + r.num_generated + r.inflight_samples + bm.block_size - 1) // bm.block_size
+    r._demand = d
+    self._demand += d
     return True
 
   def _reclaim_host_mirrors(self, need: int, keep: Request) -> bool:
@@ -484,26 +512,38 @@ class Scheduler:
     assert r.state is ROTARY, r
     if r._touched_step == self._step or r.inflight_samples:
       return False  # never rotated out and in within one step
-    n = r.planned_tokens - r.num_computed_tokens
+    c = r.num_computed_tokens
+    n = r.prompt_len + r.num_generated - c  # planned_tokens - num_computed_tokens (no sample in flight)
     if n <= 0 or n > self._budget or len(self.running) >= self.config.max_num_seqs:
       return False
     bm = self.bm
-    nblk = bm.blocks_to_swap_in(r.req_id)
-    if not self.in_fits(nblk, cap):
+    rid = r.req_id
+    nblk = bm.blocks_to_swap_in(rid)
+    if not (cap is None or self._in_moved + nblk <= cap or self._in_moved == 0):  # in_fits
       return False
-    need = self.blocks_for(r.num_computed_tokens + n)
-    if need > bm.num_free_device_blocks:
+    bs = bm.block_size
+    if (c + n + bs - 1) // bs > bm.num_free_device_blocks:
       return False
-    pairs = bm.swap_in(r.req_id)
-    ok = bm.append_slots(r.req_id, n)
+    pairs = bm.swap_in(rid)
+    ok = bm.append_slots(rid, n)
     assert pairs is not None and ok
-    self._dequeue(r)
+    self.rotary.remove(r)  # _dequeue(r), inline (hot under rotation)
+    self._demand -= r._demand
+    r._demand = 0
     plan = self._plan
-    plan.swap_in.extend(pairs)
-    plan.rotated_in.append(r.req_id)
+    plan.swap_in += pairs
+    plan.rotated_in.append(rid)
     self._in_moved += len(pairs)
-    self._to_running(r)
-    self._emit(r, n)
+    # _to_running(r), inline
+    r.state = RUNNING
+    r.state_time = self._now
+    r._touched_step = self._step
+    self._admit_counter += 1
+    r._admit_seq = self._admit_counter
+    r._gen_at_admit = r.num_generated  # + inflight_samples, which is 0 here
+    self.running[rid] = r
+    plan.scheduled.append(ScheduledSeq(rid, n, c, bm.block_table(rid), True))  # _emit: c + n == planned
+    self._budget -= n
     return True
 
   def admit_waiting(self, r: Request) -> bool:
