@@ -52,7 +52,6 @@ def bench_engine(engine, batch, prompt_len, max_tokens):
   decode_steps = 0
   decode_tokens = 0
   while engine.has_unfinished():
-    ts = time.perf_counter()
     outs = engine.step()
     te = time.perf_counter()
     if decode_t0 is not None:

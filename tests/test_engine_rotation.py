@@ -12,20 +12,11 @@ import pytest
 from superinfer_jax.engine.config import EngineConfig, SamplingParams
 from superinfer_jax.engine.engine import LLMEngine
 from superinfer_jax.sched.policies import POLICIES
-from test_engine_utils import random_params, tiny_config
+from test_engine_utils import TickClock, random_params, tiny_config
 
 BS = 4
 MAX_POS = 128
 ROTATING = ("fcfs_swap", "wf", "sf", "rotasched", "rotasched_code", "edf")
-
-
-class TickClock:
-  def __init__(self, dt=0.01):
-    self.t, self.dt = 0.0, dt
-
-  def now(self):
-    self.t += self.dt
-    return self.t
 
 
 @pytest.fixture(scope="module")

@@ -4,21 +4,13 @@ import pytest
 
 from superinfer_jax.engine.config import EngineConfig, SamplingParams
 from superinfer_jax.engine.engine import LLMEngine
+from test_engine_utils import TickClock
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["The capital of France is", "Write a haiku about memory:", "def fibonacci(n):",
            "Once upon a time,", "The speed of light is"]
 SP = SamplingParams(max_tokens=10, ignore_eos=True)
-
-
-class TickClock:
-  def __init__(self, dt=0.01):
-    self.t, self.dt = 0.0, dt
-
-  def now(self):
-    self.t += self.dt
-    return self.t
 
 
 @pytest.fixture(scope="module")

@@ -161,3 +161,14 @@ class FakeScheduler:
       r = self.reqs.get(rid)
       if r is not None:
         r.pending = r.num_computed >= r.num_tokens
+
+
+class TickClock:
+  """A clock that advances ``dt`` seconds per read: deterministic time for VLT-driven policies."""
+
+  def __init__(self, dt=0.01):
+    self.t, self.dt = 0.0, dt
+
+  def now(self):
+    self.t += self.dt
+    return self.t

@@ -15,6 +15,7 @@ import os
 import time
 from typing import Any, Optional, Sequence
 
+from superinfer_jax.experiment.replay import replay_workload
 from superinfer_jax.metrics import plots as plots_lib
 from superinfer_jax.metrics.results import append_results_row, format_comparison_table, results_row
 from superinfer_jax.metrics.timeline import requests_filename, write_timelines
@@ -133,7 +134,6 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
   rows = []
   for rps in spec.rps:
     for policy in spec.policies:
-      from superinfer_jax.experiment.replay import replay_workload  # pylint: disable=import-outside-toplevel
       engine = LLMEngine(model_tuple, dataclasses.replace(engine_config, policy=policy))
       res = replay_workload(engine, workloads[rps], desc=f"{policy} @ {rps:g} rps", progress=spec.progress,
                             time_limit_s=spec.time_limit_s)

@@ -262,6 +262,18 @@ def builtin_config_names() -> list[str]:
   return sorted(f[:-5] for f in os.listdir(CONFIGS_DIR) if f.endswith(".json"))
 
 
+def read_config_json(path: str) -> dict:
+  """The JSON object in ``path``; ``ConfigError`` if it cannot be read or is not an object."""
+  try:
+    with open(path) as f:
+      d = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ConfigError(f"cannot read model config {path}: {e}") from e
+  if not isinstance(d, dict):
+    raise ConfigError(f"model config {path} is not a JSON object")
+  return d
+
+
 def load_config(name_or_path: str) -> ModelConfig:
   """A config from ``configs/models/<name>.json``, a JSON file path, or an HF model dir / config.json.
 
@@ -276,13 +288,7 @@ def load_config(name_or_path: str) -> ModelConfig:
     if not os.path.isfile(path):
       raise ConfigError(f"no model config {name_or_path!r}: not a file, not a dir, not one of "
                         f"{builtin_config_names()}")
-  try:
-    with open(path) as f:
-      d = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise ConfigError(f"cannot read model config {path}: {e}") from e
-  if not isinstance(d, dict):
-    raise ConfigError(f"model config {path} is not a JSON object")
+  d = read_config_json(path)
   if "model_type" in d:
     return ModelConfig.from_hf_dict(d, name=os.path.basename(os.path.dirname(os.path.abspath(path))))
   return ModelConfig.from_dict(d)

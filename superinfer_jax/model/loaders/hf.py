@@ -5,7 +5,7 @@ import json
 import os
 from typing import Any
 
-from superinfer_jax.model.config import ConfigError, ModelConfig
+from superinfer_jax.model.config import ModelConfig, read_config_json
 from superinfer_jax.model.loaders.safetensors_io import SafetensorsFile
 from superinfer_jax.model.params import WeightLoadError, params_from_hf_tensors
 
@@ -17,14 +17,7 @@ def is_hf_dir(path: str) -> bool:
 
 
 def read_hf_config(path: str) -> ModelConfig:
-  cfg_path = os.path.join(path, "config.json")
-  try:
-    with open(cfg_path) as f:
-      d = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise ConfigError(f"cannot read {cfg_path}: {e}") from e
-  if not isinstance(d, dict):
-    raise ConfigError(f"{cfg_path} is not a JSON object")
+  d = read_config_json(os.path.join(path, "config.json"))
   return ModelConfig.from_hf_dict(d, name=os.path.basename(os.path.abspath(path)))
 
 
