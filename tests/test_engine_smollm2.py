@@ -1,5 +1,6 @@
-"""Real SmolLM2-135M through the engine (slow): under heavy memory pressure, rotasched (rotation) and fcfs
-(recompute) give exactly the greedy tokens of running each request alone with ample memory."""
+"""Real SmolLM2-135M through the engine (slow): under heavy memory pressure every policy (the rotating
+ones by rotation, fcfs by recompute) gives exactly the greedy tokens of running each request alone with
+ample memory."""
 import pytest
 
 from superinfer_jax.engine.config import EngineConfig, SamplingParams
@@ -36,12 +37,12 @@ def reference(smol):
   return [eng.generate([p], SP)[0].token_ids for p in PROMPTS]
 
 
-@pytest.mark.parametrize("policy", ["rotasched", "fcfs"])
+@pytest.mark.parametrize("policy", ["rotasched", "fcfs", "fcfs_swap", "wf", "sf", "rotasched_code", "edf"])
 def test_smollm2_memory_pressure_token_identical(smol, reference, policy):
   eng = _engine(smol, policy=policy, num_device_blocks=6)   # ~2 of the 5 requests fit at a time
   outs = eng.generate(PROMPTS, SP)
   assert [o.token_ids for o in outs] == reference
-  if policy == "rotasched":
+  if policy != "fcfs":
     assert eng.stats.rotations_out > 0 and eng.stats.blocks_in > 0, eng.stats
   else:
     assert eng.stats.recompute_preemptions > 0, eng.stats
