@@ -27,7 +27,7 @@ class ReplayResult:
   duration_s: float                      # first arrival -> last token (or time limit)
   engine_stats: dict[str, Any]
   rejected: list[tuple[str, str]]        # (request id, error) refused at add_request
-  compilations: tuple[int, int]          # (model-step, rotation) compilations during the replay
+  compilations: tuple                    # (model-step, rotation) compilations during the replay (None: unknown)
   timed_out: bool = False
 
 
@@ -41,10 +41,16 @@ def _progress_bar(total: int, desc: str, enabled: bool):
   return tqdm(total=total, desc=desc, unit="req", leave=False, dynamic_ncols=True)
 
 
-def _compilations(engine) -> tuple[int, int]:
-  """(model-step, rotation-kernel) compiled variants so far (process-wide jit caches)."""
+def _compilations(engine) -> tuple[Optional[int], Optional[int]]:
+  """(model-step, rotation-kernel) compiled variants so far (process-wide jit caches); None where this
+  JAX version hides the count (it is read through a private API)."""
   from superinfer_jax.rotation import kernels  # pylint: disable=import-outside-toplevel
-  return engine.num_compiled_shapes(), kernels.compiled_variants() or 0
+  step = engine.num_compiled_shapes()
+  return (step if step >= 0 else None), kernels.compiled_variants()
+
+
+def _diff(after: Optional[int], before: Optional[int]) -> Optional[int]:
+  return None if after is None or before is None else after - before
 
 
 def replay_workload(engine, requests: Sequence[Any], *, desc: str = "replay", progress: bool = True,
@@ -126,5 +132,5 @@ def replay_workload(engine, requests: Sequence[Any], *, desc: str = "replay", pr
     bar.close()
   return ReplayResult(timelines=recorder.timelines(), duration_s=max(last_token_t - t0, 1e-9),
                       engine_stats=engine.stats.as_dict(), rejected=rejected,
-                      compilations=tuple(a - b for a, b in zip(_compilations(engine), compiled_before)),
+                      compilations=tuple(_diff(a, b) for a, b in zip(_compilations(engine), compiled_before)),
                       timed_out=timed_out)

@@ -9,6 +9,7 @@ Output directory layout (one schema for the real engine, the simulator and the H
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -67,7 +68,7 @@ def _fresh_output_dir(path: str) -> None:
 def _warm_up(model_tuple, engine_config, workload, progress: bool) -> int:
   """Compiles the step shapes a run will hit: the same prompts, all at t=0, short outputs, same pool.
 
-  Returns the number of compiled step variants afterwards."""
+  Returns the engine's device pool size (blocks), so later engines can be pinned to it."""
   from superinfer_jax.engine.config import SamplingParams  # pylint: disable=import-outside-toplevel
   from superinfer_jax.engine.engine import LLMEngine  # pylint: disable=import-outside-toplevel
   engine = LLMEngine(model_tuple, engine_config)
@@ -80,7 +81,7 @@ def _warm_up(model_tuple, engine_config, workload, progress: bool) -> int:
   if progress:
     print(f"[warm-up] {len(prompts)} requests, {engine.num_compiled_shapes()} compiled step shapes, "
           f"{time.perf_counter() - t:.1f} s", flush=True)
-  return engine.num_compiled_shapes()
+  return engine.num_device_blocks
 
 
 def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[str, Any]]:
@@ -129,12 +130,17 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
 
   workloads = {rps: workload_at(rps) for rps in spec.rps}
   if spec.warmup:
-    _warm_up(model_tuple, dataclasses.replace(engine_config, policy=spec.policies[0]),
-             workloads[spec.rps[0]], spec.progress)
+    n = _warm_up(model_tuple, dataclasses.replace(engine_config, policy=spec.policies[0]),
+                 workloads[spec.rps[0]], spec.progress)
+    engine_config = dataclasses.replace(engine_config, num_device_blocks=n)
+    gc.collect()
   rows = []
   for rps in spec.rps:
     for policy in spec.policies:
       engine = LLMEngine(model_tuple, dataclasses.replace(engine_config, policy=policy))
+      # A pool sized from free device memory is pinned after the first engine: later engines must not
+      # size theirs from what an earlier engine's cache left free (every policy gets the same pool).
+      engine_config = dataclasses.replace(engine_config, num_device_blocks=engine.num_device_blocks)
       res = replay_workload(engine, workloads[rps], desc=f"{policy} @ {rps:g} rps", progress=spec.progress,
                             time_limit_s=spec.time_limit_s)
       st = res.engine_stats
@@ -155,6 +161,8 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
       append_results_row(results_path, row)
       write_timelines(os.path.join(spec.output_dir, requests_filename(policy, rps)), res.timelines)
       rows.append(row)
+      del engine, res     # free this engine's device cache and host pool before the next one
+      gc.collect()
       if spec.progress:
         print(f"[{policy} @ {rps:g} rps] finished {row['num_finished']}/{row['num_requests']}, "
               f"SLO attainment {row['slo_attainment']:.2f}, rotations {row['num_rotations']}", flush=True)

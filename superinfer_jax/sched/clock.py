@@ -8,16 +8,18 @@ import time
 
 
 class WallClock:
-  """Wall-clock seconds (``time.time()``, the reference code's time source), optionally shifted.
+  """Wall-clock seconds on the ``time.time()`` scale (the reference code's time source), but advanced by
+  ``time.monotonic()`` so it never goes backwards when the system clock is adjusted; optionally shifted.
 
   ``offset`` is subtracted, so ``WallClock(offset=time.time())`` reads seconds since construction.
   """
 
   def __init__(self, offset: float = 0.0):
     self.offset = offset
+    self._epoch = time.time() - time.monotonic()
 
   def now(self) -> float:
-    return time.time() - self.offset
+    return self._epoch + time.monotonic() - self.offset
 
 
 class VirtualClock:
