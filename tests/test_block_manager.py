@@ -9,6 +9,7 @@ import pytest
 
 from superinfer_jax.kv.block_manager import BlockManager
 from superinfer_jax.kv.layout import PADDING_BLOCK
+from superinfer_jax.kv.pairs import PairList
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -169,6 +170,55 @@ def test_swap_in_device_full_returns_none_and_changes_nothing():
   assert bm.is_swapped("a") and bm.num_free_device_blocks == 2
   bm.free("b")
   assert len(bm.swap_in("a")) == 3
+  bm.check_invariants()
+
+
+def test_swap_out_to_and_swap_in_to_append_to_a_pairlist():
+  bm = BlockManager(8, 8, block_size=4)
+  for rid in ("a", "b"):
+    bm.append_slots(rid, 6)
+    bm.mark_computed(rid, 6)
+  dev_a, dev_b = bm.block_table("a"), bm.block_table("b")
+  out = PairList([(99, 98)])
+  assert bm.swap_out_to("a", out) == 2  # no write-back yet: both blocks
+  assert bm.swap_out_to("b", out) == 2
+  hosts = bm.host_block_table("a") + bm.host_block_table("b")
+  assert out == [(99, 98)] + list(zip(dev_a + dev_b, hosts))
+  inn = PairList()
+  assert bm.swap_in_to("a", inn) == 2 and bm.swap_in_to("b", inn) == 2
+  assert inn == list(zip(hosts, bm.block_table("a") + bm.block_table("b")))
+  bm.check_invariants()
+  tiny = BlockManager(8, 1, block_size=4)
+  tiny.append_slots("a", 8)
+  tiny.mark_computed("a", 8)
+  out = PairList([(1, 1)])
+  assert tiny.swap_out_to("a", out) is None and out == [(1, 1)]  # None: out unchanged
+
+
+@pytest.mark.parametrize("stale_tail", [False, True])
+def test_swap_out_dirty_tail_only_matches_per_block_rule(stale_tail):
+  """The usual rotation (full blocks written back, partial tail dirty) gives exactly the general rule's
+  pairs: one ``(device tail, host tail)`` pair, the host tail reused if it exists, else the free list's head."""
+  bm = BlockManager(16, 16, block_size=4)
+  bm.append_slots("x", 4)  # takes host block 0 below, so host ids are not trivially the device ids
+  bm.mark_computed("x", 4)
+  bm.take_writebacks()
+  bm.append_slots("a", 10 if stale_tail else 9)
+  bm.mark_computed("a", 10 if stale_tail else 9)
+  if stale_tail:  # rotate once so the tail has a stale host copy, then grow inside the tail block
+    bm.swap_out("a")
+    bm.swap_in("a")
+    bm.append_slots("a", 1)
+    bm.mark_computed("a", 11)
+  bm.take_writebacks()
+  dev, host = bm.block_table("a"), bm.host_block_table("a")
+  free_head = bm._free_host_ids()[0]
+  assert bm.swap_out_copies("a") == 1
+  pairs = bm.swap_out("a")
+  expect_host = host[2] if stale_tail else free_head
+  assert pairs == [(dev[2], expect_host)]
+  assert bm.host_block_table("a") == host[:2] + [expect_host]
+  assert bm._seqs["a"].host_tokens == [4, 4, 3 if stale_tail else 1]
   bm.check_invariants()
 
 

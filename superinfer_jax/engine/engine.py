@@ -403,9 +403,9 @@ class LLMEngine:
     return plan
 
   def _issue(self, plan) -> None:
-    swap_out = list(integ.plan_field(plan, "swap_out"))
-    writeback = list(integ.plan_field(plan, "writeback"))
-    swap_in = list(integ.plan_field(plan, "swap_in"))
+    swap_out = integ.plan_pairs(plan, "swap_out")  # PairLists: handed to DuplexKV column-wise
+    writeback = integ.plan_pairs(plan, "writeback")
+    swap_in = integ.plan_pairs(plan, "swap_in")
     if not (swap_out or writeback or swap_in):
       return
     st = self.stats

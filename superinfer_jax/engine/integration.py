@@ -129,6 +129,16 @@ def plan_field(plan, name: str):
   return () if v is None else v
 
 
+def plan_pairs(plan, name: str):
+  """A plan's copy list (``swap_out``, ``writeback``, ``swap_in``) as a ``PairList``: the plan's own when it
+  is one (no copy, no per-pair tuple), else built from its ``(src, dst)`` pairs (a custom scheduler's lists)."""
+  from superinfer_jax.kv.pairs import PairList  # pylint: disable=import-outside-toplevel
+  v = getattr(plan, name, None)
+  if isinstance(v, PairList):
+    return v
+  return PairList(() if v is None else v)
+
+
 def plan_has_work(plan) -> bool:
   return any(plan_field(plan, n) for n in ("scheduled", "swap_out", "swap_in", "writeback", "rotated_out",
                                            "rotated_in", "preempted"))

@@ -2,7 +2,9 @@
 
 Host-side bookkeeping only (pure Python; no JAX, no numpy arrays on the hot path). It decides *which* blocks
 hold a request's KV and returns the copy lists the rotation engine (DuplexKV, ``superinfer_jax/rotation``)
-must execute; it never touches KV data itself.
+must execute; it never touches KV data itself. Copy lists are ``PairList``s (``kv/pairs.py``): sequences of
+``(src, dst)`` block-id pairs that read like a list of 2-tuples but are stored as two int columns (``srcs``,
+``dsts``), so moving thousands of blocks per step allocates no per-pair tuple.
 
 Pools
 -----
@@ -54,20 +56,23 @@ Mutations:
     returns False and changes nothing if the device pool lacks blocks. Raises on a swapped request.
   * ``mark_computed(req_id, num_computed_tokens)``: absolute count of tokens whose KV is written by a step
     already dispatched. Monotone, ``<= num_tokens``. Blocks that become full are queued for write-back.
-  * ``take_writebacks(max_blocks=None, min_free_host=0) -> list[(device, host)]``: eager write-back
+  * ``take_writebacks(max_blocks=None, min_free_host=0) -> PairList[(device, host)]``: eager write-back
     (PAPER.md §4.4): D2H pairs for full, computed, dirty blocks of resident requests, oldest first. A block
     without a host copy gets a fresh host block; one with a stale copy (a tail block that filled up after a
     swap-in) reuses it. Marks them clean. Stops at ``max_blocks`` pairs or when taking another host block
     would leave fewer than ``min_free_host`` free; the rest stay queued for a later call.
-  * ``swap_out(req_id) -> list[(device, host)] | None``: rotate a resident request to host. D2H pairs only
+  * ``swap_out(req_id) -> PairList[(device, host)] | None``: rotate a resident request to host. D2H pairs only
     for blocks whose host copy is missing or stale (normally just the dirty tail block when write-back keeps
     up). Returns None and changes nothing if the host pool lacks blocks (caller falls back to recompute
     preemption via ``free``). Uncomputed slots (``num_tokens > num_computed``) are dropped, because their KV
     does not exist. Frees all the request's device blocks.
-  * ``swap_in(req_id) -> list[(host, device)] | None``: bring a swapped request back. Allocates one device
+  * ``swap_in(req_id) -> PairList[(host, device)] | None``: bring a swapped request back. Allocates one device
     block per logical block and returns H2D pairs for all of them; host blocks are kept as clean mirrors
     so a later ``swap_out`` copies only what changed. Returns None and changes nothing if the device pool
     lacks blocks.
+  * ``swap_out_to(req_id, out: PairList) -> int | None``, ``swap_in_to(req_id, out) -> int | None``: as
+    ``swap_out`` / ``swap_in``, but the pairs are appended to ``out`` column-wise (no intermediate list) and
+    their count is returned; None leaves ``out`` unchanged. The scheduler fills its ``StepPlan`` with these.
   * ``free(req_id)``: finish / abort / recompute preemption. Releases device and host blocks. Unknown id:
     no-op.
   * ``block_table(req_id) -> list[int]``: device ids of a resident request's logical blocks (a fresh list;
@@ -107,6 +112,7 @@ import collections
 from typing import Hashable
 
 from superinfer_jax.kv.layout import PADDING_BLOCK
+from superinfer_jax.kv.pairs import PairList
 
 NO_BLOCK = -1
 _NO_BLOCKS = (NO_BLOCK,) * 4096  # slices of it fill a swapped request's device table
@@ -233,9 +239,13 @@ class BlockManager:
     if s.swapped:
       return 0
     bs = self.block_size
-    nfull = s.num_computed // bs
-    n = nfull - s.host_tokens[:nfull].count(bs)
-    if nfull * bs < s.num_computed and s.host_tokens[nfull] < s.num_computed - nfull * bs:
+    nc = s.num_computed
+    nfull = nc // bs
+    ht = s.host_tokens
+    # Full blocks: dirty exactly when queued for write-back (write-back queue invariant), so count them only
+    # when some are queued.
+    n = nfull - ht[:nfull].count(bs) if s.nwb else 0
+    if nfull * bs < nc and ht[nfull] < nc - nfull * bs:
       n += 1
     return n
 
@@ -243,7 +253,7 @@ class BlockManager:
     s = self._seqs[req_id]
     if s.swapped:
       raise ValueError(f"request {req_id!r} is swapped out; it has no device block table")
-    return list(s.dev)
+    return s.dev[:]  # a fresh list (slicing is cheaper than list(); called for every scheduled seq)
 
   def host_block_table(self, req_id: ReqId) -> list[int]:
     return list(self._seqs[req_id].host)
@@ -366,9 +376,11 @@ class BlockManager:
   def pending_writebacks(self) -> int:
     return len(self._wb)
 
-  def take_writebacks(self, max_blocks: int | None = None, min_free_host: int = 0) -> list[tuple[int, int]]:
+  def take_writebacks(self, max_blocks: int | None = None, min_free_host: int = 0) -> PairList:
     """Eager write-back: D2H pairs for full, computed, dirty blocks (oldest first); marks them clean."""
-    out: list[tuple[int, int]] = []
+    srcs: list[int] = []
+    dsts: list[int] = []
+    out = PairList.from_columns(srcs, dsts)
     if not self._wb:
       return out
     bs = self.block_size
@@ -396,8 +408,9 @@ class BlockManager:
       done.append(key)
       s.nwb -= 1
       s.host_tokens[i] = bs
-      out.append((s.dev[i], h))
-      if len(out) >= limit:
+      srcs.append(s.dev[i])
+      dsts.append(h)
+      if len(done) >= limit:
         break
     for key in done:
       del wb[key]
@@ -406,11 +419,71 @@ class BlockManager:
       self._mirror_blocks += taken
     return out
 
-  def swap_out(self, req_id: ReqId) -> list[tuple[int, int]] | None:
+  def swap_out(self, req_id: ReqId) -> PairList | None:
     """Rotates a resident request to host; D2H pairs for dirty blocks, or None (host pool too small)."""
+    out = PairList.from_columns([], [])
+    return None if self.swap_out_to(req_id, out) is None else out
+
+  def swap_out_to(self, req_id: ReqId, out: PairList) -> int | None:
+    """``swap_out`` that appends its D2H pairs to ``out`` (column-wise); returns how many, or None.
+
+    None means the host pool lacks blocks; then neither the manager nor ``out`` changed.
+    """
     s = self._seqs[req_id]
     if s.swapped:
       raise ValueError(f"request {req_id!r} is already swapped out")
+    host = s.host
+    bs = self.block_size
+    nc = s.num_computed
+    nfull = nc // bs
+    tail = nc - nfull * bs
+    ht = s.host_tokens
+    if not s.nwb and tail and ht[nfull] < tail:
+      # Fast path (the usual rotation under eager write-back): no full block is queued for write-back, i.e.
+      # (write-back queue invariant) every full computed block has a clean host copy, so the partial tail
+      # block is the only dirty one. Same result as the general path below.
+      h = host[nfull]
+      if h == NO_BLOCK:
+        if self._host_head == len(self._host_free):
+          return None
+        h = host[nfull] = self._take_host(1)[0]
+        s.nhost += 1
+        self._mirror_blocks -= s.nhost - 1
+      else:
+        self._mirror_blocks -= s.nhost
+      ht[nfull] = tail
+      out.srcs.append(s.dev[nfull])
+      out.dsts.append(h)
+      moved = 1
+    else:
+      moved = self._swap_out_dirty(req_id, s, out)
+      if moved is None:
+        return None
+    # Release the device blocks (one bulk extend) and drop logical blocks past the computed tokens (their KV
+    # does not exist). The per-request lists are updated in place: replacing them would hand the cyclic GC's
+    # older generations thousands of fresh list items per step under heavy rotation.
+    dev = s.dev
+    self._dev_free += dev
+    n = -(-nc // bs)
+    if n < len(host):
+      dropped = [h for h in host[n:] if h != NO_BLOCK]
+      if dropped:
+        self._host_free += dropped
+        s.nhost -= len(dropped)
+      del host[n:]
+      del ht[n:]
+      del dev[n:]
+    dev[:] = _NO_BLOCKS[:n] if n <= len(_NO_BLOCKS) else [NO_BLOCK] * n
+    s.num_tokens = nc
+    s.swapped = True
+    return moved
+
+  def _swap_out_dirty(self, req_id: ReqId, s: _Seq, out: PairList) -> int | None:
+    """``swap_out_to``'s general copy step: host copies for every dirty block, D2H pairs appended to ``out``.
+
+    Returns the number of pairs, or None (host pool too small; nothing changed). Leaves the device blocks to
+    the caller.
+    """
     dirty = self._dirty_indices(s)
     host = s.host
     need_host = 0
@@ -427,7 +500,6 @@ class BlockManager:
     if s.nwb:
       self._drop_wb(req_id, s)
     self._mirror_blocks -= s.nhost
-    pairs = []
     if dirty:
       new_ids = self._take_host(need_host) if need_host else []
       s.nhost += need_host
@@ -440,36 +512,31 @@ class BlockManager:
         bs = self.block_size
         host_tokens[a:b] = [bs] * (b - a)
         host_tokens[b - 1] = self._computed_in_block(s, b - 1)  # the tail block may be partial
-        pairs = list(zip(dev[a:b], new_ids))
+        out.srcs += dev[a:b]
+        out.dsts += new_ids
       else:
+        srcs = out.srcs
+        dsts = out.dsts
         new_host = iter(new_ids)
         for i in dirty:
           h = host[i]
           if h == NO_BLOCK:
             h = host[i] = next(new_host)
           host_tokens[i] = self._computed_in_block(s, i)
-          pairs.append((dev[i], h))
-    # Release the device blocks (one bulk extend) and drop logical blocks past the computed tokens (their KV
-    # does not exist). The per-request lists are updated in place: replacing them would hand the cyclic GC's
-    # older generations thousands of fresh list items per step under heavy rotation.
-    dev = s.dev
-    self._dev_free += dev
-    n = -(-s.num_computed // self.block_size)
-    if n < len(host):
-      dropped = [h for h in host[n:] if h != NO_BLOCK]
-      if dropped:
-        self._host_free += dropped
-        s.nhost -= len(dropped)
-      del host[n:]
-      del s.host_tokens[n:]
-      del dev[n:]
-    dev[:] = _NO_BLOCKS[:n] if n <= len(_NO_BLOCKS) else [NO_BLOCK] * n
-    s.num_tokens = s.num_computed
-    s.swapped = True
-    return pairs
+          srcs.append(dev[i])
+          dsts.append(h)
+    return len(dirty)
 
-  def swap_in(self, req_id: ReqId) -> list[tuple[int, int]] | None:
+  def swap_in(self, req_id: ReqId) -> PairList | None:
     """Brings a swapped request back; H2D pairs for every block, or None (device pool too small)."""
+    out = PairList.from_columns([], [])
+    return None if self.swap_in_to(req_id, out) is None else out
+
+  def swap_in_to(self, req_id: ReqId, out: PairList) -> int | None:
+    """``swap_in`` that appends its H2D pairs to ``out`` (column-wise); returns how many, or None.
+
+    None means the device pool lacks blocks; then neither the manager nor ``out`` changed.
+    """
     s = self._seqs[req_id]
     if not s.swapped:
       raise ValueError(f"request {req_id!r} is not swapped out")
@@ -481,7 +548,9 @@ class BlockManager:
     s.dev[:] = devs  # in place (see swap_out)
     s.swapped = False
     self._mirror_blocks += n
-    return list(zip(host, devs))
+    out.srcs += host
+    out.dsts += devs
+    return n
 
   def free(self, req_id: ReqId) -> None:
     """Releases every device and host block of the request (finish, abort, recompute preemption)."""

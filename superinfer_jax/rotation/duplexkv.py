@@ -53,6 +53,7 @@ import jax
 import numpy as np
 
 from superinfer_jax.kv.layout import PADDING_BLOCK, KVCacheSpec
+from superinfer_jax.kv.pairs import PairList, columns
 from superinfer_jax.rotation import kernels
 
 DUPLEX = "duplex"
@@ -90,8 +91,18 @@ def bucket_size(n: int, min_bucket: int = 1) -> int:
   return 1 << (n - 1).bit_length()
 
 
-def _pairs(pairs: Iterable[Sequence[int]] | None) -> list[Pair]:
-  return [] if pairs is None else [(int(a), int(b)) for a, b in pairs]
+def _pairs(pairs: Iterable[Sequence[int]] | None) -> PairList:
+  """A fresh PairList of Python ints: a PairList is copied column-wise (no per-pair tuple), anything else is
+  read as an iterable of ``(src, dst)`` pairs."""
+  if pairs is None:
+    return PairList()
+  if isinstance(pairs, PairList):
+    return PairList.from_columns(list(map(int, pairs.srcs)), list(map(int, pairs.dsts)))
+  srcs, dsts = [], []
+  for a, b in pairs:
+    srcs.append(int(a))
+    dsts.append(int(b))
+  return PairList.from_columns(srcs, dsts)
 
 
 class DuplexKV:
@@ -193,7 +204,7 @@ class DuplexKV:
     if self.mode != DUPLEX or not pairs:
       return
     todo = []
-    for h, _ in pairs:
+    for h in pairs.srcs:
       src = self._host_entry(h)
       pf = self._prefetched.get(h)
       if pf is None or pf[0] is not src:
@@ -217,6 +228,7 @@ class DuplexKV:
       swap_out: D2H ``(device, host)`` pairs of requests rotated out.
       writeback: D2H ``(device, host)`` pairs of the eager write-back.
       swap_in: H2D ``(host, device)`` pairs of requests rotated in.
+      Each is a ``PairList`` (``kv/pairs.py``; read column-wise, no per-pair tuple) or any iterable of pairs.
 
     Returns:
       The cache with every ``swap_in`` block written. D2H sources are read before any ``swap_in`` block is
@@ -236,17 +248,17 @@ class DuplexKV:
     if self.mode == DUPLEX:
       incoming = self._start_h2d(h2d, prefetched)      # H2D first: it does not depend on the cache
       self._start_d2h(cache, d2h)                      # gather from cache, then D2H of the staging blocks
-      cache = self._scatter(cache, [d for _, d in h2d], incoming)   # donates cache: after the gather
+      cache = self._scatter(cache, h2d.dsts, incoming)   # donates cache: after the gather
     elif self.mode == MERGED:
       self._start_d2h(cache, d2h)
       self.wait()
       incoming = self._start_h2d(h2d, {})
       jax.block_until_ready(incoming)
-      cache = self._scatter(cache, [d for _, d in h2d], incoming)
+      cache = self._scatter(cache, h2d.dsts, incoming)
     else:
       self._naive_d2h(cache, d2h)
       incoming = self._naive_h2d(h2d)
-      cache = self._scatter(cache, [d for _, d in h2d], incoming)
+      cache = self._scatter(cache, h2d.dsts, incoming)
     st, bb = self.stats, self.spec.block_bytes
     st.issues += 1
     st.blocks_out += len(d2h)
@@ -316,24 +328,34 @@ class DuplexKV:
                        f"{self._dtype}")
     return nb
 
-  def _validate(self, num_blocks: int, d2h: list[Pair], h2d: list[Pair]) -> None:
-    for d, h in d2h:
-      if not PADDING_BLOCK < d < num_blocks:
-        raise ValueError(f"D2H source device block {d} out of range [1, {num_blocks})")
-      self._check_host_id(h)
-    for h, d in h2d:
-      if not PADDING_BLOCK < d < num_blocks:
-        raise ValueError(f"H2D destination device block {d} out of range [1, {num_blocks})")
-      self._check_host_id(h)
-    out_hosts = [h for _, h in d2h]
-    if len(set(out_hosts)) != len(out_hosts):
+  def _validate(self, num_blocks: int, d2h: Iterable[Sequence[int]], h2d: Iterable[Sequence[int]]) -> None:
+    out_devs, out_hosts = columns(d2h)
+    in_hosts, in_devs = columns(h2d)
+    if not self._ids_ok(out_devs, out_hosts, num_blocks):
+      for d, h in zip(out_devs, out_hosts):  # report the first bad pair, as a per-pair check would
+        if not PADDING_BLOCK < d < num_blocks:
+          raise ValueError(f"D2H source device block {d} out of range [1, {num_blocks})")
+        self._check_host_id(h)
+    if not self._ids_ok(in_devs, in_hosts, num_blocks):
+      for h, d in zip(in_hosts, in_devs):
+        if not PADDING_BLOCK < d < num_blocks:
+          raise ValueError(f"H2D destination device block {d} out of range [1, {num_blocks})")
+        self._check_host_id(h)
+    out_set = set(out_hosts)
+    if len(out_set) != len(out_hosts):
       raise ValueError(f"a host block is the D2H destination twice: {sorted(out_hosts)}")
-    in_devs = [d for _, d in h2d]
     if len(set(in_devs)) != len(in_devs):
       raise ValueError(f"a device block is the H2D destination twice: {sorted(in_devs)}")
-    both = set(out_hosts) & {h for h, _ in h2d}
+    both = out_set.intersection(in_hosts)
     if both:
       raise ValueError(f"host blocks {sorted(both)} are both H2D sources and D2H destinations in one step")
+
+  def _ids_ok(self, devs: Sequence[int], hosts: Sequence[int], num_blocks: int) -> bool:
+    """True when every device id is in ``[1, num_blocks)`` and every host id in the pool (min/max, in C)."""
+    if not devs:
+      return True
+    return (PADDING_BLOCK < min(devs) and max(devs) < num_blocks and 0 <= min(hosts)
+            and max(hosts) < self.num_host_blocks)
 
   def _ids(self, ids: Sequence[int], bucket: int) -> jax.Array:
     padded = np.full((bucket,), PADDING_BLOCK, np.int32)
@@ -371,23 +393,26 @@ class DuplexKV:
       self.stats.scatters += 1
     return cache
 
-  def _start_d2h(self, cache: jax.Array, d2h: list[Pair]) -> None:
+  def _start_d2h(self, cache: jax.Array, d2h: Iterable[Sequence[int]]) -> None:
     """Batched modes: gather, then one batched device_put of the staging blocks to host memory."""
-    if not d2h:
+    devs, hosts = columns(d2h)
+    if not devs:
       return
-    staged = self._gather(cache, [d for d, _ in d2h])
+    staged = self._gather(cache, devs)
     on_host = jax.device_put(staged, self._host_sharding)
     self.stats.batches_out += 1
-    self.stats.segments_out += len(d2h)
-    for (_, h), arr in zip(d2h, on_host):
+    self.stats.segments_out += len(devs)
+    for h, arr in zip(hosts, on_host):
       self._host[h] = arr
     self._pending_out.extend(on_host)
 
-  def _start_h2d(self, h2d: list[Pair], prefetched: dict[int, tuple[object, jax.Array]]) -> list[jax.Array]:
+  def _start_h2d(self, h2d: Iterable[Sequence[int]],
+                 prefetched: dict[int, tuple[object, jax.Array]]) -> list[jax.Array]:
     """Batched modes: device copies of the swap-in host blocks (prefetched ones reused), one device_put."""
-    arrays: list[jax.Array | None] = [None] * len(h2d)
+    hosts, _ = columns(h2d)
+    arrays: list[jax.Array | None] = [None] * len(hosts)
     todo_idx, todo_src = [], []
-    for i, (h, _) in enumerate(h2d):
+    for i, h in enumerate(hosts):
       src = self._host_entry(h)
       pf = prefetched.get(h)
       if pf is not None and pf[0] is src:
@@ -400,16 +425,17 @@ class DuplexKV:
       for i, arr in zip(todo_idx, jax.device_put(todo_src, self._dev_sharding)):
         arrays[i] = arr
       self.stats.batches_in += 1
-    self.stats.segments_in += len(h2d)
+    self.stats.segments_in += len(hosts)
     return arrays  # type: ignore[return-value]
 
-  def _naive_d2h(self, cache: jax.Array, d2h: list[Pair]) -> None:
+  def _naive_d2h(self, cache: jax.Array, d2h: Iterable[Sequence[int]]) -> None:
     """Naive mode: per block, per layer, per K/V segment, one blocking device_put at a time."""
-    if not d2h:
+    devs, hosts = columns(d2h)
+    if not devs:
       return
-    staged = self._gather(cache, [d for d, _ in d2h])
+    staged = self._gather(cache, devs)
     self._variants.add(("split", self._block_shape))
-    for (_, h), blk in zip(d2h, staged):
+    for h, blk in zip(hosts, staged):
       segs = []
       for seg in kernels.split_block(blk):
         seg = jax.device_put(seg, self._host_sharding)
@@ -419,9 +445,9 @@ class DuplexKV:
       self.stats.batches_out += len(segs)
       self.stats.segments_out += len(segs)
 
-  def _naive_h2d(self, h2d: list[Pair]) -> list[jax.Array]:
+  def _naive_h2d(self, h2d: Iterable[Sequence[int]]) -> list[jax.Array]:
     blocks = []
-    for h, _ in h2d:
+    for h in columns(h2d)[0]:
       segs = []
       for seg in self._host_entry(h):
         seg = jax.device_put(seg, self._dev_sharding)

@@ -12,6 +12,8 @@
   * ``swap_out``: D2H ``(device, host)`` pairs of requests rotated out this step (normally dirty tail blocks).
   * ``writeback``: D2H ``(device, host)`` pairs of the eager write-back (full blocks, computed earlier).
   * ``swap_in``: H2D ``(host, device)`` pairs of requests rotated in this step.
+    The three copy lists are ``PairList``s (``kv/pairs.py``): they read like lists of 2-tuples; fast
+    consumers use the ``srcs`` / ``dsts`` columns. The scheduler extends them column-wise.
     Ordering contract (kv/block_manager.py): gather every D2H source (swap_out + writeback) from the cache of
     the last dispatched step before scattering any H2D block; device blocks freed by a swap-out may be the
     swap-in or append targets of the same step.
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Hashable
+
+from superinfer_jax.kv.pairs import PairList
 
 
 class ScheduledSeq:
@@ -55,9 +59,9 @@ class StepPlan:
   time: float
   lookahead: bool = False
   scheduled: list = dataclasses.field(default_factory=list)
-  swap_out: list = dataclasses.field(default_factory=list)
-  swap_in: list = dataclasses.field(default_factory=list)
-  writeback: list = dataclasses.field(default_factory=list)
+  swap_out: PairList = dataclasses.field(default_factory=PairList)
+  swap_in: PairList = dataclasses.field(default_factory=PairList)
+  writeback: PairList = dataclasses.field(default_factory=PairList)
   rotated_out: list = dataclasses.field(default_factory=list)
   rotated_in: list = dataclasses.field(default_factory=list)
   preempted: list = dataclasses.field(default_factory=list)

@@ -222,8 +222,9 @@ class RotationPolicy(Policy):
     sched.schedule_running(self.reactive_mode, swap_cap=bx)
     swap_in = sched.swap_in
     admit_waiting = sched.admit_waiting
+    running = sched.running
     for r in R:
-      if sched.budget_left() <= 0 or sched.seats_left() <= 0:
+      if sched.budget_left() <= 0 or len(running) >= max_seqs:  # seats_left() <= 0, inline
         break
       if r.state is ROTARY:  # sched.admit(r, cap=bx)
         swap_in(r, bx)

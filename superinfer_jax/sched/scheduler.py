@@ -403,10 +403,10 @@ class Scheduler:
     emit = self._plan.scheduled.append
     step = self._step
     evicted = False
+    budget = self._budget  # kept local in the loop (evictions do not touch it); stored back below
     for r in list(self.running.values()):
       if r.state is not RUNNING or r._touched_step == step:
         continue  # evicted in this loop, or admitted/rotated in this step (already scheduled)
-      budget = self._budget
       if budget <= 0:
         break
       gen = r.num_generated + r.inflight_samples
@@ -423,7 +423,8 @@ class Scheduler:
           break
       else:  # _emit(r, n), inline
         emit(ScheduledSeq(rid, n, r.num_computed_tokens, block_table(rid), n == rem))
-        self._budget -= n
+        budget -= n
+    self._budget = budget
     return evicted
 
   def _reactive_victim(self, r: Request, mode: str, swap_cap: int | None) -> Request:
@@ -459,15 +460,15 @@ class Scheduler:
     assert r.state is RUNNING and self.rotatable(r), r
     rid = r.req_id
     bm = self.bm
-    pairs = bm.swap_out(rid)
-    if pairs is None and self._reclaim_host_mirrors(bm.blocks_to_swap_out(rid), r):
-      pairs = bm.swap_out(rid)
-    if pairs is None:
-      return False
     plan = self._plan
-    plan.swap_out += pairs
+    # The D2H pairs go straight into the plan's PairList columns (no per-request list).
+    n = bm.swap_out_to(rid, plan.swap_out)
+    if n is None and self._reclaim_host_mirrors(bm.blocks_to_swap_out(rid), r):
+      n = bm.swap_out_to(rid, plan.swap_out)
+    if n is None:
+      return False
     plan.rotated_out.append(rid)
-    self._out_moved += len(pairs)
+    self._out_moved += n
     del self.running[rid]
     r.state = ROTARY
     r.state_time = self._now
@@ -518,22 +519,22 @@ class Scheduler:
       return False
     bm = self.bm
     rid = r.req_id
-    nblk = bm.blocks_to_swap_in(rid)
+    bs = bm.block_size
+    # bm.blocks_to_swap_in(rid), inline: a rotary request's host blocks cover exactly its computed tokens.
+    nblk = (c + bs - 1) // bs
     if not (cap is None or self._in_moved + nblk <= cap or self._in_moved == 0):  # in_fits
       return False
-    bs = bm.block_size
     if (c + n + bs - 1) // bs > bm.num_free_device_blocks:
       return False
-    pairs = bm.swap_in(rid)
+    plan = self._plan
+    moved = bm.swap_in_to(rid, plan.swap_in)  # H2D pairs straight into the plan's columns
     ok = bm.append_slots(rid, n)
-    assert pairs is not None and ok
+    assert moved is not None and ok
     self.rotary.remove(r)  # _dequeue(r), inline (hot under rotation)
     self._demand -= r._demand
     r._demand = 0
-    plan = self._plan
-    plan.swap_in += pairs
     plan.rotated_in.append(rid)
-    self._in_moved += len(pairs)
+    self._in_moved += moved
     # _to_running(r), inline
     r.state = RUNNING
     r.state_time = self._now
