@@ -334,3 +334,10 @@ def test_device_memory_fraction_needs_memory_stats(model):
     pytest.skip("backend reports memory: the fraction path is exercised on GPU")
   with pytest.raises(ValueError, match="num_device_blocks"):
     LLMEngine((cfg, params, None), _config(num_device_blocks=None))
+
+
+def test_scheduler_does_not_hoard_finished_requests(model):
+  """A long-running server: finished requests are not kept by the scheduler (the engine drains them)."""
+  eng = _engine(model, num_device_blocks=16)
+  eng.generate(_prompts(5, seed=21), GREEDY)
+  assert eng.scheduler.pop_finished() == []

@@ -311,12 +311,17 @@ def test_token_budget_and_max_num_seqs():
   assert [q.sample for q in p.scheduled] == [True, True, False]
 
 
-def test_writeback_leaves_bxfer_host_blocks_free_by_default():
-  s, bm, clk = make("rotasched", dev=8, host=10, proactive_swap_budget=8, max_num_batched_tokens=64)
+@pytest.mark.parametrize("host,written,free", [
+    (40, 4, 36),   # reserve = B_xfer = 8: all 4 full blocks written back
+    (10, 4, 6),    # reserve = 10 // 4 = 2 (B_xfer alone would switch write-back off)
+    (4, 3, 1),     # reserve = 4 // 4 = 1: write-back stops there
+])
+def test_writeback_reserve_default_is_bxfer_capped_by_a_quarter_of_the_host_pool(host, written, free):
+  s, bm, clk = make("rotasched", dev=8, host=host, proactive_swap_budget=8, max_num_batched_tokens=64)
   add(s, "a", 0.0, prompt=16, max_tokens=4)  # 4 full blocks after the prefill
   step(s, clk)
   p = step(s, clk)
-  assert len(p.writeback) == 2 and bm.num_free_host_blocks == 8  # stops at the reserve of B_xfer = 8
+  assert len(p.writeback) == written and bm.num_free_host_blocks == free
 
 
 def test_rotation_reclaims_mirrors_of_running_requests_when_host_full():
@@ -468,3 +473,21 @@ def test_lvf_merge_matches_heapq_merge(seed):
 
     expect = [e[2] for e in heapq.merge(w, r, key=lambda e: key(e, alpha if e[2][0] == "r" else 1.0))]
     assert list(_lvf_merge(w, r, now, alpha)) == expect
+
+
+def test_request_sampling_its_last_token_in_flight_is_not_a_rotation_victim():
+  """Under lookahead, plan k+1 must not rotate out a request whose in-flight step k samples its last token
+  (its KV is freed a step later: the copy would waste bandwidth, host blocks and the B_xfer budget)."""
+  s, bm, clk = make("rotasched", dev=4)
+  add(s, "a", 0.0, prompt=7, max_tokens=3)          # 2 blocks
+  step(s, clk)                                       # prefill + token 1
+  step(s, clk)                                       # token 2
+  p_k = s.schedule()                                 # in flight: samples a's 3rd and last token
+  clk.advance(0.1)
+  add(s, "b", clk.now(), prompt=12, max_tokens=2)   # 3 blocks: contention with a
+  p_next = s.schedule(lookahead=True)
+  assert p_next.rotated_out == [] and len(p_next.swap_out) == 0
+  s.on_step_done(p_k)
+  assert s.get("a") is None                          # a finished; its blocks are free for b
+  s.on_step_done(p_next)
+  s.check_invariants()

@@ -463,6 +463,9 @@ class LLMEngine:
     packed, dims = packing.pack(batch, samp)
     packed = jax.device_put(packed)        # the step's one explicit host->device transfer
     tokens, self.kv_cache = _jit_step(self.params, self.kv_cache, packed, dims=dims, **self._step_kwargs)
+    # Start the sampled ids' device->host copy now, ahead of the next plan's swap-out copies (which depend
+    # on this step too): reading them back must not wait behind a large rotation on a shared D2H stream.
+    tokens.copy_to_host_async()
     self.stats.model_steps += 1
     self.stats.tokens_scheduled += sum(len(s[0]) for s in seqs)
     self.stats.dispatch_time_s += time.perf_counter() - t0
@@ -495,6 +498,9 @@ class LLMEngine:
 
   def _on_step_done(self, plan, new_tokens, finished, now=None) -> None:
     self.scheduler.on_step_done(plan, new_tokens, finished, self.clock.now() if now is None else now)
+    pop = getattr(self.scheduler, "pop_finished", None)
+    if pop is not None:
+      pop()   # the engine keeps its own results: the scheduler must not hoard finished requests
     if self._unfinished and not new_tokens and not integ.plan_has_work(plan):
       self._empty_steps += 1
       if self._empty_steps > 1000:

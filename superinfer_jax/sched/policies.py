@@ -204,8 +204,9 @@ class RotationPolicy(Policy):
         elif not victim_ok(v, now):
           continue
         # Scheduler.rotatable(v), inline.
-        if (v.prompt_len + v.num_generated + v.inflight_samples - v.num_computed_tokens != 1
-            or v._touched_step == step or v.num_generated + v.inflight_samples <= v._gen_at_admit):
+        gen = v.num_generated + v.inflight_samples
+        if (v.prompt_len + gen - v.num_computed_tokens != 1 or v._touched_step == step
+            or gen <= v._gen_at_admit or gen >= v.max_tokens):
           continue
         rid = v.req_id
         copies = copies_of(rid)

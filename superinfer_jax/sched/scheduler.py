@@ -82,8 +82,9 @@ class SchedulerConfig:
   tbt_slo: float = 0.1  # S_B, seconds
   enable_writeback: bool = True  # eager write-back of full blocks (PAPER.md §4.4)
   max_writeback_blocks: int | None = None  # per step; None = all pending
-  # Host blocks eager write-back leaves free for rotations (None: proactive_swap_budget). Mirrors of running
-  # requests are reclaimed when a rotation needs room, so this only limits churn.
+  # Host blocks eager write-back leaves free for rotations (None: min(proactive_swap_budget, a quarter of
+  # the host pool) -- B_xfer alone would exceed small host pools and silently switch write-back off).
+  # Mirrors of running requests are reclaimed when a rotation needs room, so this only limits churn.
   writeback_min_free_host: int | None = None
   lvf_scan_limit: int = 1024  # candidates Algorithm 1 examines per step (bounds per-step work)
   lvf_max_skips: int = 64  # ... and it stops after this many consecutive candidates that do not fit
@@ -320,7 +321,7 @@ class Scheduler:
     if cfg.enable_writeback:
       reserve = cfg.writeback_min_free_host
       if reserve is None:
-        reserve = cfg.proactive_swap_budget
+        reserve = min(cfg.proactive_swap_budget, bm.num_host_blocks // 4)
       plan.writeback = bm.take_writebacks(cfg.max_writeback_blocks, reserve)
     reqs = self.requests
     mark = bm.mark_computed
@@ -355,9 +356,11 @@ class Scheduler:
   def rotatable(self, r: Request) -> bool:
     """A running request may be rotated out now: decode phase (one token without KV, and it has sampled a
     token since it last entered RUNNING, so a prefill, first or recompute, is never interrupted and every
-    rotation follows progress), and not moved earlier in this step."""
+    rotation follows progress), not moved earlier in this step, and not about to finish (its in-flight step
+    samples its last token: rotating it out would copy KV that is freed a step later)."""
+    gen = r.num_generated + r.inflight_samples
     return (r.planned_tokens - r.num_computed_tokens == 1 and r._touched_step != self._step
-            and r.num_generated + r.inflight_samples > r._gen_at_admit)
+            and gen > r._gen_at_admit and gen < r.max_tokens)
 
   def budget_left(self) -> int:
     return self._budget
