@@ -491,3 +491,13 @@ def test_request_sampling_its_last_token_in_flight_is_not_a_rotation_victim():
   assert s.get("a") is None                          # a finished; its blocks are free for b
   s.on_step_done(p_next)
   s.check_invariants()
+
+
+@pytest.mark.parametrize("policy,expect_writeback", [("fcfs", False), ("fcfs_swap", True),
+                                                     ("rotasched", True)])
+def test_writeback_only_for_policies_that_use_the_host_pool(policy, expect_writeback):
+  s, bm, clk = make(policy, dev=8, host=40, proactive_swap_budget=8)
+  add(s, "a", 0.0, prompt=16, max_tokens=4)  # 4 full blocks after the prefill
+  step(s, clk)
+  p = step(s, clk)
+  assert (len(p.writeback) > 0) == expect_writeback

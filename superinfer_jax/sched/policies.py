@@ -66,6 +66,7 @@ class Policy:
   """Base: FCFS-style queue keys and step logic (vLLM v1 ``fcfs``)."""
   name = "base"
   reactive_mode = "recompute"
+  uses_host_pool = True   # False: KV never goes to host, so eager write-back would only waste D2H bandwidth
 
   def __init__(self):
     self._head_counter = 0
@@ -92,6 +93,7 @@ class Policy:
 class FCFS(Policy):
   """vLLM v1: arrival order, reactive recompute preemption of the last admitted, head-of-line blocking."""
   name = "fcfs"
+  uses_host_pool = False
 
   def schedule_step(self, sched, plan, now):
     evicted = sched.schedule_running(self.reactive_mode)
@@ -108,6 +110,7 @@ class FCFSSwap(FCFS):
   """vLLM v0 swap mode: reactive victims go to host; swapped requests resume (FIFO) before new ones."""
   name = "fcfs_swap"
   reactive_mode = "swap"
+  uses_host_pool = True
 
   def candidates(self, sched, now):
     return itertools.chain(sched.rotary.iter_requests(), sched.waiting.iter_requests())

@@ -318,7 +318,7 @@ class Scheduler:
   def _finalize(self, plan: StepPlan) -> None:
     cfg = self.config
     bm = self.bm
-    if cfg.enable_writeback:
+    if cfg.enable_writeback and self.policy.uses_host_pool:
       reserve = cfg.writeback_min_free_host
       if reserve is None:
         reserve = min(cfg.proactive_swap_budget, bm.num_host_blocks // 4)
