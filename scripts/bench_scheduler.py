@@ -15,8 +15,8 @@ rotasched moves up to 2400 blocks each way per step, and that bookkeeping domina
 a shared box do not inflate them; ``wall_mean_ms``/``wall_p99_ms`` are wall-clock times of the same calls.
 ``--repeats`` re-runs with other seeds and keeps the run with the lowest p99.
 
-Python's cyclic GC runs inside ``schedule()`` whenever the step's allocations (plan lists, one
-``(src, dst)`` tuple per block moved, ``ScheduledSeq`` objects) cross its threshold, so its pauses are part of
+Python's cyclic GC runs inside ``schedule()`` whenever the step's allocations (plan lists, ``ScheduledSeq``
+objects; block pairs are ``PairList`` int columns, not tuples) cross its threshold, so its pauses are part of
 ``mean_ms``/``p99_ms``. ``gc_mean_ms`` is the CPU time those collections took per timed step, and
 ``p99_ms_ex_gc`` the p99 of the per-step CPU time minus its GC time: the scheduler's own work.
 """
