@@ -16,7 +16,7 @@ from test_engine_utils import TickClock, random_params, tiny_config
 
 BS = 4
 MAX_POS = 128
-ROTATING = ("fcfs_swap", "wf", "sf", "rotasched", "rotasched_code", "edf")
+ROTATING = ("fcfs_swap", "wf", "sf", "rotasched", "rotasched_strict", "rotasched_code", "edf")
 
 
 @pytest.fixture(scope="module")

@@ -427,7 +427,8 @@ def test_clocks():
 
 
 def test_all_policies_registered():
-  assert set(POLICIES) >= {"fcfs", "fcfs_swap", "wf", "sf", "rotasched", "rotasched_code", "edf"}
+  assert set(POLICIES) >= {"fcfs", "fcfs_swap", "wf", "sf", "rotasched", "rotasched_strict", "rotasched_code",
+                           "edf"}
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -501,3 +502,24 @@ def test_writeback_only_for_policies_that_use_the_host_pool(policy, expect_write
   step(s, clk)
   p = step(s, clk)
   assert (len(p.writeback) > 0) == expect_writeback
+
+
+def test_rotasched_strict_rotates_only_for_lagging_requests():
+  """Conceptual example under rotasched_strict: C (arrival 0.15, TTFT SLO 0.2, beta_F 0.5 -> VLT zero
+  point 0.25) gets no rotation while its VLT is 0 (t = 0.2) and displaces the longest-running A once it
+  lags (t = 0.3). Plain rotasched rotates at t = 0.2 already."""
+  for policy, rotate_at in (("rotasched_strict", 3), ("rotasched", 2)):
+    s, bm, clk = make(policy, dev=2, bs=8, proactive_swap_budget=1, max_num_batched_tokens=16,
+                      ttft_slo=0.2)    # one 8-token block per request
+    add(s, "A", 0.0, max_tokens=6)
+    step(s, clk)                       # t=0   -> A
+    add(s, "B", 0.05, max_tokens=6)
+    step(s, clk)                       # t=0.1 -> B
+    add(s, "C", 0.15, max_tokens=6)
+    for k in (2, 3):
+      p = step(s, clk)                 # t=0.2, then t=0.3
+      if k < rotate_at:
+        assert p.rotated_out == [] and p.admitted == [], (policy, k)
+      elif k == rotate_at:
+        assert p.rotated_out == ["A"] and p.admitted == ["C"], (policy, k, p)
+    s.check_invariants()

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 # Policy names the scheduler package registers (PAPER.md §2-3). The authoritative list is
 # ``superinfer_jax.sched``'s registry when it exposes one; this is the fallback.
-KNOWN_POLICIES = ("fcfs", "fcfs_swap", "wf", "sf", "rotasched", "rotasched_code")
+KNOWN_POLICIES = ("fcfs", "fcfs_swap", "wf", "sf", "rotasched", "rotasched_strict", "rotasched_code", "edf")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")  # auto: pallas on GPU, reference on CPU
 DTYPES = ("float32", "bfloat16")
 ROTATION_MODES = ("duplex", "merged", "naive")

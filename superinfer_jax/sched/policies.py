@@ -271,6 +271,23 @@ class RotaSched(RotationPolicy):
     return _lvf_merge(sched.waiting.entries(), sched.rotary.entries(), now, sched.config.alpha)
 
 
+class RotaSchedStrict(RotaSched):
+  """RotaSched that rotates only for requests that really lag (beyond the paper's Algorithm 1 as read).
+
+  Algorithm 1 prioritises every candidate with VLT >= 0, which the ReLU makes true for all waiting and
+  rotary requests, so under contention a running request is displaced after a single token (see
+  WORKSPACE_NOTES "Open questions"). The paper's own [P] wording is "largest *positive* VLT": here only a
+  candidate past its VLT zero point (waiting: ``t_arr + beta_F * S_F``; rotary: ``t_last + beta_B * S_B``)
+  may use B_xfer to displace running requests; the others are admitted into free HBM only. With the
+  default beta_B = 0 a rotary request lags from its last token, so time slicing between rotary and
+  running requests remains; a positive beta_B gives each rotation a grace period.
+  """
+  name = "rotasched_strict"
+
+  def urgent(self, r, now):
+    return r._qentry is not None and r._qentry[0][0] < now
+
+
 class EDF(RotationPolicy):
   """Earliest SLO deadline first; only late candidates may displace running requests."""
   name = "edf"
@@ -380,7 +397,8 @@ def _lvf_merge(waiting: list, rotary: list, now: float, alpha: float) -> Iterato
     j += 1
 
 
-POLICIES = {p.name: p for p in (FCFS, FCFSSwap, WaitingFirst, SwappedFirst, RotaSched, RotaSchedCode, EDF)}
+POLICIES = {p.name: p for p in (FCFS, FCFSSwap, WaitingFirst, SwappedFirst, RotaSched, RotaSchedStrict,
+                                 RotaSchedCode, EDF)}
 
 
 def make_policy(name: str) -> Policy:
