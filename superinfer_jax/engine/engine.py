@@ -214,7 +214,7 @@ class LLMEngine:
                                                   config.block_size)
     self.scheduler = (scheduler_factory or integ.make_scheduler)(
         config, self.block_manager, self.clock, max_model_len=self.max_model_len)
-    self.kv_cache = integ.init_kv_cache(self.kv_spec, self.num_device_blocks + 1)
+    self.kv_cache = integ.init_kv_cache(cfg, self.num_device_blocks + 1, config.block_size, config.dtype)
     self.duplex = integ.make_duplex(self.kv_spec, self.num_host_blocks, config)
     self._step_kwargs = dict(cfg=cfg, attention=config.attention)
     self.stats = EngineStats()

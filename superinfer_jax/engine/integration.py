@@ -46,15 +46,10 @@ def eos_token_ids(cfg, tokenizer) -> set[int]:
   return ids
 
 
-def init_kv_cache(spec, num_blocks: int):
-  """Zeroed device cache of ``num_blocks`` blocks (block 0 = padding) for ``spec`` (kv/layout.py).
-
-  Committed to the device: the rotation kernels return a committed cache, and a jitted step sees a
-  committed and an uncommitted argument as two signatures (one compilation each)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from superinfer_jax.model.params import DTYPES  # pylint: disable=import-outside-toplevel
-  return jax.device_put(jnp.zeros(spec.shape(num_blocks), DTYPES[spec.dtype]), jax.local_devices()[0])
+def init_kv_cache(cfg, num_blocks: int, block_size: int, dtype: str):
+  """Zeroed, device-committed cache of ``num_blocks`` blocks (block 0 = padding): the model's own."""
+  from superinfer_jax.model.forward import init_kv_cache as _init  # pylint: disable=import-outside-toplevel
+  return _init(cfg, num_blocks, block_size, dtype)
 
 
 def forward(params, kv_cache, batch, cfg, attention):

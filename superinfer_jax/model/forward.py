@@ -19,11 +19,14 @@ from superinfer_jax.model.params import DTYPES
 
 
 def init_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: str = "float32") -> jax.Array:
-  """Zeroed block-first cache ``[num_blocks, L, 2, BS, Hkv, D]``; ``num_blocks`` includes padding block 0."""
+  """Zeroed block-first cache ``[num_blocks, L, 2, BS, Hkv, D]``; ``num_blocks`` includes padding block 0.
+
+  Committed to the default device: jitted steps and the rotation kernels return committed arrays, and jit
+  treats a committed and an uncommitted argument as two signatures (each shape would compile twice)."""
   if num_blocks < 2:
     raise ValueError(f"num_blocks must be >= 2 (block 0 is padding), got {num_blocks}")
   spec = cfg.kv_spec(block_size, dtype)
-  return jnp.zeros(spec.shape(num_blocks), DTYPES[dtype])
+  return jax.device_put(jnp.zeros(spec.shape(num_blocks), DTYPES[dtype]), jax.local_devices()[0])
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

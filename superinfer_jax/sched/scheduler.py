@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Hashable, Iterable, Iterator
+from typing import Hashable, Iterator
 
 from superinfer_jax.kv.block_manager import BlockManager
 from superinfer_jax.sched import vlt as vlt_lib
