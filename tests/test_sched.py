@@ -151,19 +151,95 @@ def _rotary_and_waiting(policy):
   return s, bm, clk
 
 
-@pytest.mark.parametrize("policy,first", [("wf", "w"), ("sf", "x")])
-def test_static_policies_order(policy, first):
-  s, bm, clk = make(policy, dev=1, proactive_swap_budget=100, max_num_batched_tokens=16)
+def test_wf_rotates_running_out_for_waiting_and_ranks_waiting_above_rotary():
+  s, bm, clk = make("wf", dev=1, proactive_swap_budget=100, max_num_batched_tokens=16)
   add(s, "x", 0.0, max_tokens=3)
   step(s, clk)  # x runs (t=0)
   add(s, "w", 0.1, max_tokens=3)
-  p = step(s, clk)  # t=0.1: x rotates out for w (both wf and sf rank a waiting request above running)
+  p = step(s, clk)  # t=0.1: x rotates out for w (a waiting request outranks running ones)
   assert p.rotated_out == ["x"] and p.admitted == ["w"]
   add(s, "w2", 0.2, max_tokens=3)
-  p = step(s, clk)  # t=0.2: w runs; candidates x (rotary) and w2 (waiting); one slot
-  got = p.rotated_in + p.admitted
-  assert got == (["x"] if first == "x" else ["w2"])
-  assert p.rotated_out == ["w"]
+  p = step(s, clk)  # t=0.2: w runs; candidates x (rotary) and w2 (waiting); one slot: waiting first
+  assert p.admitted == ["w2"] and p.rotated_in == [] and p.rotated_out == ["w"]
+
+
+def _run(s, clk, arrivals, dt=0.1, max_steps=500):
+  """Drives ``s`` to completion; ``arrivals`` = [(time, rid, prompt, max_tokens)]. Returns (plans, first
+  token time per request)."""
+  pending = sorted(arrivals)
+  plans, first = [], {}
+  for _ in range(max_steps):
+    while pending and pending[0][0] <= clk.now() + 1e-9:
+      t, rid, prompt, mt = pending.pop(0)
+      add(s, rid, t, prompt=prompt, max_tokens=mt)
+    if not pending and not s.has_unfinished():
+      return plans, first
+    plan = s.schedule()
+    s.check_invariants()
+    clk.advance(dt)
+    s.on_step_done(plan)
+    s.check_invariants()
+    for seq in plan.scheduled:
+      if seq.sample and seq.req_id not in first:
+        first[seq.req_id] = clk.now()
+    plans.append(plan)
+  raise AssertionError("did not finish")
+
+
+# Two long requests fill a 4-block pool (bs 4: prompt 5 = 2 blocks, growing to 3); two short ones arrive
+# while they run. Hand-worked: nobody fits until a long request finishes or is evicted.
+_CONTENDED = [(0.0, "long0", 5, 6), (0.0, "long1", 5, 6), (0.15, "late0", 2, 2), (0.25, "late1", 2, 2)]
+
+
+def test_sf_degenerates_to_fcfs_and_differs_from_wf():
+  runs = {}
+  for policy in ("fcfs", "fcfs_swap", "sf", "wf"):
+    s, bm, clk = make(policy, dev=4, proactive_swap_budget=100, max_num_batched_tokens=32)
+    plans, first = _run(s, clk, _CONTENDED)
+    order = sorted(first, key=lambda r: (first[r], r))
+    rot = sum(len(p.rotated_out) for p in plans)
+    runs[policy] = (order, first, rot, sum(len(p.preempted) for p in plans))
+  # fcfs: long1 is recompute-preempted when long0 grows; sf and fcfs_swap swap it out instead. All three
+  # give the late requests their first tokens only after the long ones: the same first-token order.
+  assert runs["fcfs"][0] == runs["sf"][0] == runs["fcfs_swap"][0] == ["long0", "long1", "late0", "late1"]
+  assert runs["fcfs"][2] == 0 and runs["fcfs"][3] >= 1
+  assert runs["sf"][3] == 0 and 1 <= runs["sf"][2] == runs["fcfs_swap"][2]  # reactive swaps only
+  assert runs["sf"][1]["late0"] == runs["fcfs_swap"][1]["late0"] <= runs["fcfs"][1]["late0"]
+  # wf rotates long requests out as soon as the late ones arrive: they get first tokens earlier.
+  assert runs["wf"][1]["late0"] < runs["sf"][1]["late0"] and runs["wf"][1]["late1"] < runs["sf"][1]["late1"]
+  assert runs["wf"][2] > runs["sf"][2]
+
+
+def test_sf_resumes_oldest_swap_first_and_fcfs_swap_latest_first():
+  # Three requests of 2 blocks (bs 4, prompt 5) fill a 6-block pool and grow to 4 blocks. When r0 needs its
+  # 3rd block the last-admitted r2 is swapped out; when a request needs a block again r1 goes. sf then
+  # resumes r2 (parked first), fcfs_swap r1 (parked last: the head of its queue).
+  order = {}
+  for policy in ("sf", "fcfs_swap"):
+    s, bm, clk = make(policy, dev=6, proactive_swap_budget=100, max_num_batched_tokens=32)
+    plans, _ = _run(s, clk, [(0.0, f"r{i}", 5, 12) for i in range(3)])
+    outs = [rid for p in plans for rid in p.rotated_out]
+    ins = [rid for p in plans for rid in p.rotated_in]
+    assert outs[:2] == ["r2", "r1"], (policy, outs)
+    order[policy] = ins[0]
+  assert order == {"sf": "r2", "fcfs_swap": "r1"}
+
+
+def test_sf_admits_no_new_request_while_one_is_rotary():
+  s, bm, clk = make("sf", dev=4, proactive_swap_budget=100, max_num_batched_tokens=32)
+  plans, first = _run(s, clk, _CONTENDED)
+  for p in plans:
+    if p.admitted:
+      assert not p.rotated_out  # nothing evicted in an admitting step
+  for i, p in enumerate(plans):
+    if any(r in ("late0", "late1") for r in p.admitted):
+      # no request was rotary when a new one was admitted
+      parked = set()
+      for q in plans[:i]:
+        parked |= set(q.rotated_out)
+        parked -= set(q.rotated_in)
+      parked -= set(p.rotated_in)  # resumed earlier in the same step
+      assert not parked, (i, parked)
 
 
 def test_rotasched_orders_by_vlt_across_queues():
@@ -221,6 +297,85 @@ def test_rotasched_code_keeps_budget_free():
   add(s, "late", 0.1, max_tokens=3)
   p = step(s, clk)
   assert p.rotated_out == ["r0", "r1"]  # 1 + 1 < 3, a third would reach 3
+  # The fork's admission loop then runs over waiting + rotary by in_waiting_since: "late" (0.1) first, then
+  # the victims (stamped now = 0.1, appended to the tail): one block is left after "late", so r0 is swapped
+  # straight back in within the step; r1 does not fit.
+  assert p.admitted == ["late"] and p.rotated_in == ["r0"] and p.round_trips == ["r0"]
+  assert s.get("r0").state is RequestState.RUNNING and s.get("r1").state is RequestState.ROTARY
+  # r0's host copy is this step's D2H destination and H2D source: one pair each, same host block.
+  assert set(p.swap_out.dsts) & set(p.swap_in.srcs)
+  assert s.totals["round_trips"] == 1
+
+
+def test_rotasched_code_round_trip_under_lookahead():
+  # Pipelined engine: the plan is made while the previous step (which samples for every running request)
+  # is in flight; victims with a sample in flight may still be swapped straight back in.
+  s, bm, clk = make("rotasched_code", dev=4, proactive_swap_budget=3, max_num_batched_tokens=16)
+  for i in range(4):
+    add(s, f"r{i}", 0.0, max_tokens=4)
+  p0 = s.schedule()
+  clk.advance(0.1)
+  s.on_step_done(p0)
+  p1 = s.schedule()  # all 4 in decode, their samples in flight
+  add(s, "late", clk.now(), max_tokens=3)
+  p2 = s.schedule(lookahead=True)
+  s.check_invariants()
+  assert p2.rotated_out == ["r0", "r1"] and p2.admitted == ["late"] and p2.round_trips == ["r0"]
+  seq = {q.req_id: q for q in p2.scheduled}
+  assert seq["r0"].num_new_tokens == 1 and seq["r0"].sample  # its in-flight token comes next
+  clk.advance(0.1)
+  s.on_step_done(p1)
+  s.check_invariants()
+  s.on_step_done(p2)
+  s.check_invariants()
+  assert s.get("r0").num_generated == 3
+
+
+def test_rotasched_code_host_gate_holds_back_waiting_not_preempted(monkeypatch):
+  # a and b fill a 2-block pool; when a grows, b is recompute-preempted (the fork's reactive path). With the
+  # host pool above 0.9 usage, the preempted b is still admitted when room frees up; the fresh w waits.
+  s, bm, clk = make("rotasched_code", dev=2, host=8, proactive_swap_budget=0, max_num_batched_tokens=32)
+  add(s, "a", 0.0, prompt=4, max_tokens=3)
+  add(s, "b", 0.0, prompt=4, max_tokens=5)
+  step(s, clk)
+  p = step(s, clk)
+  assert p.preempted == ["b"]
+  add(s, "w", clk.now(), prompt=1, max_tokens=2)
+  monkeypatch.setattr(bm, "host_usage", lambda: 0.92)
+  admitted = []
+  for _ in range(6):
+    admitted += step(s, clk).admitted
+  assert admitted == ["b"] and s.get("w").state is RequestState.WAITING
+  monkeypatch.undo()
+  for _ in range(3):
+    admitted += step(s, clk).admitted
+  assert "w" in admitted
+
+
+def test_min_residency_delays_proactive_victims():
+  # rotasched time-slices a 2-block pool among 4 one-block requests. With min_residency = 3 a request that
+  # (re)entered running stays resident at least 3 steps before it can be a proactive victim again.
+  for q in (0, 3):
+    s, bm, clk = make("rotasched", dev=2, bs=16, proactive_swap_budget=100, max_num_batched_tokens=16,
+                      min_residency=q)
+    plans, _ = _run(s, clk, [(0.0, f"r{i}", 2, 8) for i in range(4)])
+    entered = {}
+    shortest = None
+    for i, p in enumerate(plans):
+      for rid in p.admitted + p.rotated_in:
+        entered[rid] = i
+      for rid in p.rotated_out:
+        stay = i - entered[rid]
+        shortest = stay if shortest is None else min(shortest, stay)
+    assert shortest is not None
+    if q == 0:
+      assert shortest < 3  # every-step time slicing (a victim after one sampled token)
+      rot0 = s.totals["rotations_out"]
+    else:
+      assert shortest >= 3 and s.totals["rotations_out"] < rot0
+      assert s.totals["residency_steps"] / s.totals["residencies"] >= 3
+
+
 
 
 # ---------------------------------------------------------------------------- budgets and rules
@@ -229,7 +384,7 @@ def test_bxfer_caps_blocks_moved_per_step(bxfer):
   # 6 running requests of 2 blocks (prompt 8) fill 12 blocks; 6 more wait. No write-back, so a rotation
   # copies every block of the victim.
   s, bm, clk = make("rotasched", dev=12, host=64, proactive_swap_budget=bxfer, max_num_batched_tokens=128,
-                    enable_writeback=False)
+                    writeback=False)
   for i in range(6):
     add(s, f"a{i}", 0.0, prompt=8, max_tokens=8)
   step(s, clk)
@@ -435,7 +590,7 @@ def test_all_policies_registered():
 def test_sorted_queue_matches_a_sorted_list(seed):
   """push/remove (with the append-at-tail and remove-at-head fast paths) keep (key, push order) order."""
   import random
-  from superinfer_jax.sched.scheduler import SortedQueue
+  from superinfer_jax.sched.queue import SortedQueue
   rng = random.Random(seed)
   q = SortedQueue()
   ref = []  # (key, push counter, request)

@@ -18,7 +18,10 @@
     the last dispatched step before scattering any H2D block; device blocks freed by a swap-out may be the
     swap-in or append targets of the same step.
   * ``rotated_out``, ``rotated_in``, ``preempted`` (recompute), ``admitted`` (from WAITING/PREEMPTED),
-    ``finished`` (requests the scheduler ended by length): request-id lists.
+    ``finished`` (requests the scheduler ended by length): request-id lists. ``round_trips``: requests
+    rotated out and back in within this step (only ``rotasched_code``, as the reference fork does); each is
+    in both ``rotated_out`` and ``rotated_in``, and its host blocks are both D2H destinations and H2D
+    sources, so the engine issues this step's D2H copies before its H2D copies.
   * Counters: ``num_rotations`` (= len(rotated_out) + len(rotated_in)), ``blocks_out`` (= len(swap_out)),
     ``blocks_in`` (= len(swap_in)), ``blocks_writeback`` (= len(writeback)), ``num_recompute_preemptions``
     (= len(preempted)), ``num_batched_tokens`` (sum of num_new_tokens), ``contention`` (True when the step
@@ -66,6 +69,7 @@ class StepPlan:
   rotated_in: list = dataclasses.field(default_factory=list)
   preempted: list = dataclasses.field(default_factory=list)
   admitted: list = dataclasses.field(default_factory=list)
+  round_trips: list = dataclasses.field(default_factory=list)
   finished: list = dataclasses.field(default_factory=list)
   num_batched_tokens: int = 0
   contention: bool = False

@@ -3,21 +3,27 @@
 * ``fcfs``: vLLM v1 default (PAPER.md §3). Arrival order; when a running request cannot grow, the
   last-admitted running request is preempted by **recompute** and re-queued at the **head** of waiting; no
   admission in a step that preempted; head-of-line blocking. No rotation.
-* ``fcfs_swap``: vLLM v0 swap mode. As fcfs, but the reactive victim is **swapped** to host (recompute if
-  mid-prefill or the host is full); swapped requests resume (FIFO) before any new one is admitted.
+* ``fcfs_swap``: vLLM v1 with swap preemption. As fcfs, but the reactive victim is **swapped** to host
+  (recompute if mid-prefill or the host is full) and re-queued at the head, as fcfs re-queues its recompute
+  victims: the most recently evicted request resumes first (LIFO), before any new one. No proactive rotation.
 * ``wf``: Waiting-First (PAPER.md §3) as a static ranking inside Algorithm 1: waiting (arrival order) >
   rotary (FIFO) > running; running requests rotate out (longest-running first) to admit waiting ones.
-* ``sf``: Swapped-First: rotary (FIFO) > waiting > running, same machinery.
+* ``sf``: Swapped-First (PAPER.md §3), vLLM v0's swap policy: no proactive rotation; the reactive victim is
+  swapped to host; in a step without evictions, swapped requests resume oldest-swap first (FIFO), and new
+  requests are admitted only while no request is swapped out. It protects TBT and degenerates to about FCFS.
 * ``rotasched``: the paper's Algorithm 1 (PAPER.md §2.1) with VLT (alpha, beta_B, beta_F, S_F = TTFT SLO,
   S_B = TBT SLO).
 * ``rotasched_code``: the reference code's behaviour (PAPER.md §2.2): oldest ``in_waiting_since`` first, keep
-  B blocks free by rotating out longest-running decode requests, host-usage gates 0.95 / 0.9, recompute on
+  B blocks free by rotating out longest-running decode requests (victims go to the tail of the one
+  waiting order, and the admission loop may swap them straight back in within the step, as the fork's
+  does), host-usage gates 0.95 (swap-out) / 0.9 (only WAITING requests, not PREEMPTED ones), recompute on
   the reactive path, swap-in not bounded by B.
 * ``edf`` (beyond the paper): earliest SLO deadline first (waiting: t_arr + TTFT SLO; rotary: t_last + TBT
   SLO) inside Algorithm 1; only candidates already past their deadline may displace running requests, the
   others use free memory only. A deadline-driven baseline to set against VLT's weighted lag.
 
-Algorithm 1 as implemented (``RotationPolicy.schedule_step``), per step at time ``now``:
+Algorithm 1 as implemented (``RotationPolicy.schedule_step`` = ``prioritize`` -> ``pick_victims`` ->
+``execute``, or ``schedule_without_rotation``), per step at time ``now``:
   0. ``B_HBM`` = free device blocks minus the blocks running requests need for this step's tokens.
   1. Contention check: if ``B_HBM >= sum(blk(r) for r in waiting + rotary)`` (kept incrementally, O(1)): no
      rotation; schedule running, then admit candidates in policy order (no contention: all fit).
@@ -60,6 +66,7 @@ from superinfer_jax.sched.vlt import rotary_ref_time
 
 RUNNING = RequestState.RUNNING
 ROTARY = RequestState.ROTARY
+WAITING = RequestState.WAITING
 
 
 class Policy:
@@ -107,13 +114,52 @@ class FCFS(Policy):
 
 
 class FCFSSwap(FCFS):
-  """vLLM v0 swap mode: reactive victims go to host; swapped requests resume (FIFO) before new ones."""
+  """vLLM v1 with swap preemption: reactive victims go to host and re-queue at the head (LIFO, as fcfs's
+  recompute victims do); swapped requests resume before new ones; no admission in a step that evicted."""
   name = "fcfs_swap"
   reactive_mode = "swap"
   uses_host_pool = True
 
+  def rotary_key(self, r, sched):
+    self._head_counter += 1
+    return (-self._head_counter,)  # the latest victim at the head
+
   def candidates(self, sched, now):
     return itertools.chain(sched.rotary.iter_requests(), sched.waiting.iter_requests())
+
+
+class SwappedFirst(FCFS):
+  """Swapped-First (PAPER.md §3), as vLLM v0's scheduler does it with swap preemption.
+
+  Per step: running requests first, in admission order; one that cannot grow evicts the last-admitted
+  running request by **swap** (recompute if it is mid-prefill or the host pool is full). If nothing was
+  evicted, rotary requests resume oldest-swap first (FIFO by rotation time) while they fit; new requests are
+  admitted (arrival order, head-of-line) only when no request is rotary. No proactive rotation, so under
+  contention it behaves about like FCFS: TBT of started requests is protected, new requests wait.
+
+  How it differs from ``fcfs_swap`` (vLLM v1 with swap preemption): ``fcfs_swap`` re-queues a victim at the
+  head of the one queue, so the most recently evicted request resumes first (LIFO); ``sf`` keeps swapped
+  requests in their own queue and resumes the longest-parked one first (FIFO), and it refuses new requests
+  while any request is rotary even when the rotary ones cannot be tried this step (a victim whose sampled
+  token is still in flight). Both stop admission at the first request that does not fit, so apart from the
+  resume order they decide alike: that is the paper's "SF degenerates to about FCFS". Neither rotates a
+  running request out to admit a waiting one (``wf`` and ``rotasched`` do).
+  """
+  name = "sf"
+  reactive_mode = "swap"
+  uses_host_pool = True
+
+  def schedule_step(self, sched, plan, now):
+    if sched.schedule_running(self.reactive_mode):
+      return  # v0: no swap-in in a step that evicted
+    for r in sched.rotary.iter_requests():
+      if sched.budget_left() <= 0 or sched.seats_left() <= 0 or not sched.swap_in(r):
+        return
+    if sched.rotary:
+      return  # v0: no new prefill while any request is swapped out
+    for r in sched.waiting.iter_requests():
+      if sched.budget_left() <= 0 or sched.seats_left() <= 0 or not sched.admit_waiting(r):
+        return
 
 
 class RotationPolicy(Policy):
@@ -134,27 +180,40 @@ class RotationPolicy(Policy):
     return now - r.state_time > 0  # VLT(r) = -(now - t_run) < 0
 
   def schedule_step(self, sched, plan, now):
-    cfg = sched.config
-    bm = sched.bm
-    bx = cfg.proactive_swap_budget
+    """Algorithm 1, one step: contention check, prioritize (R), pick victims (P), execute."""
+    bx = sched.config.proactive_swap_budget
     grow, run_tokens = sched.running_needs()
-    b_hbm = bm.num_free_device_blocks - grow
+    b_hbm = sched.bm.num_free_device_blocks - grow
     if b_hbm >= sched.demand_blocks or bx == 0:
-      # No contention (or rotation disabled): FCFS-like, no proactive rotation.
-      sched.schedule_running(self.reactive_mode, swap_cap=bx)
-      for r in self.candidates(sched, now):
-        if sched.budget_left() <= 0 or sched.seats_left() <= 0:
-          break
-        if not sched.admit(r, cap=bx):
-          break
+      self.schedule_without_rotation(sched, now)
       return
     plan.contention = True
-    # --- 2. prioritize (hot loop: request fields are read inline rather than through properties)
-    bs = bm.block_size
+    R, b_used = self.prioritize(sched, now, b_hbm, sched.budget_left() - run_tokens)
+    victims = self.pick_victims(sched, now, b_swap=b_used - b_hbm, seats=len(R) - sched.seats_left())
+    self.execute(sched, victims, R)
+
+  def schedule_without_rotation(self, sched, now) -> None:
+    """Step 1's fallback (no contention, or B_xfer = 0): running requests, then admission in policy order."""
+    bx = sched.config.proactive_swap_budget
+    sched.schedule_running(self.reactive_mode, swap_cap=bx)
+    for r in self.candidates(sched, now):
+      if sched.budget_left() <= 0 or sched.seats_left() <= 0:
+        break
+      if not sched.admit(r, cap=bx):
+        break
+
+  def prioritize(self, sched, now: float, b_hbm: int, tokens: int) -> tuple[list[Request], int]:
+    """Step 2: scan candidates in priority order and build R. Returns (R, blocks R needs).
+
+    A candidate joins when it is urgent and ``blk(r)`` fits ``B_HBM + B_xfer`` (non-urgent: ``B_HBM``), its
+    swap-in fits the B_xfer in-budget, and tokens and seats remain. Hot loop: request fields are read inline.
+    """
+    cfg = sched.config
+    bs = sched.bm.block_size
+    bx = cfg.proactive_swap_budget
     step = sched.step_id
     b_used = 0
     in_blocks = 0
-    tokens = sched.budget_left() - run_tokens
     R = []
     scanned = 0
     skips = 0
@@ -190,36 +249,51 @@ class RotationPolicy(Policy):
       skips = 0
       R.append(r)
       b_used += blk
-    # --- 3. preempt from the tail of L (longest-running first)
-    b_swap = b_used - b_hbm
-    seats = len(R) - sched.seats_left()
+    return R, b_used
+
+  def pick_victims(self, sched, now: float, b_swap: int, seats: int) -> list[Request]:
+    """Step 3: running requests to rotate out, from the tail of L (longest-running first), while R still
+    needs ``b_swap`` blocks or ``seats`` seats. A victim has VLT < 0, is rotatable (decode phase, sampled
+    since it last entered RUNNING, not about to finish), has been resident ``min_residency`` steps, and its
+    D2H copies fit the B_xfer out-budget."""
+    if b_swap <= 0 and seats <= 0:
+      return []
+    bm = sched.bm
+    bs = bm.block_size
+    bx = sched.config.proactive_swap_budget
+    step = sched.step_id
+    oldest_admit = step - sched.config.min_residency  # resident_long_enough(v), inline
     victims = []
     out_copies = 0
-    if b_swap > 0 or seats > 0:
-      victim_ok = None if type(self).victim_ok is RotationPolicy.victim_ok else self.victim_ok
-      copies_of = bm.swap_out_copies
-      for v in sched.running.values():
-        if b_swap <= 0 and seats <= 0:
-          break
-        if victim_ok is None:
-          if not now - v.state_time > 0:  # RotationPolicy.victim_ok: VLT(v) < 0
-            continue
-        elif not victim_ok(v, now):
+    victim_ok = None if type(self).victim_ok is RotationPolicy.victim_ok else self.victim_ok
+    copies_of = bm.swap_out_copies
+    for v in sched.running.values():
+      if b_swap <= 0 and seats <= 0:
+        break
+      if victim_ok is None:
+        if not now - v.state_time > 0:  # RotationPolicy.victim_ok: VLT(v) < 0
           continue
-        # Scheduler.rotatable(v), inline.
-        gen = v.num_generated + v.inflight_samples
-        if (v.prompt_len + gen - v.num_computed_tokens != 1 or v._touched_step == step
-            or gen <= v._gen_at_admit or gen >= v.max_tokens):
-          continue
-        rid = v.req_id
-        copies = copies_of(rid)
-        if not (out_copies + copies <= bx or out_copies == 0):
-          continue
-        victims.append(v)
-        out_copies += copies
-        b_swap -= (v.num_computed_tokens + bs - 1) // bs  # bm.num_blocks(rid): running => all computed
-        seats -= 1
-    # --- 4. execute
+      elif not victim_ok(v, now):
+        continue
+      # Scheduler.rotatable(v), inline.
+      gen = v.num_generated + v.inflight_samples
+      if (v.prompt_len + gen - v.num_computed_tokens != 1 or v._touched_step == step
+          or gen <= v._gen_at_admit or gen >= v.max_tokens or v._admit_step > oldest_admit):
+        continue
+      copies = copies_of(v.req_id)
+      if not (out_copies + copies <= bx or out_copies == 0):
+        continue
+      victims.append(v)
+      out_copies += copies
+      b_swap -= (v.num_computed_tokens + bs - 1) // bs  # bm.num_blocks(rid): running => all computed
+      seats -= 1
+    return victims
+
+  def execute(self, sched, victims: list[Request], R: list[Request]) -> None:
+    """Step 4: rotate P out, schedule running requests (reactive eviction = rotation if allowed, else
+    recompute), then admit R in order, skipping those that do not fit."""
+    cfg = sched.config
+    bx = cfg.proactive_swap_budget
     for v in victims:
       if not sched.rotate_out(v) and cfg.proactive_recompute:
         sched.preempt(v)  # host pool full: fall back to recompute (opt-in; see SchedulerConfig)
@@ -227,6 +301,7 @@ class RotationPolicy(Policy):
     swap_in = sched.swap_in
     admit_waiting = sched.admit_waiting
     running = sched.running
+    max_seqs = cfg.max_num_seqs
     for r in R:
       if sched.budget_left() <= 0 or len(running) >= max_seqs:  # seats_left() <= 0, inline
         break
@@ -244,13 +319,6 @@ class WaitingFirst(RotationPolicy):
 
   def candidates(self, sched, now):
     return itertools.chain(sched.waiting.iter_requests(), sched.rotary.iter_requests())
-
-
-class SwappedFirst(WaitingFirst):
-  name = "sf"
-
-  def candidates(self, sched, now):
-    return itertools.chain(sched.rotary.iter_requests(), sched.waiting.iter_requests())
 
 
 class RotaSched(RotationPolicy):
@@ -338,7 +406,7 @@ class RotaSchedCode(Policy):
           acc = 0
           victims = []
           for v in sched.running.values():  # longest running first
-            if not sched.rotatable(v):
+            if not (sched.rotatable(v) and sched.resident_long_enough(v)):
               continue
             n = bm.num_blocks(v.req_id)
             if acc + n >= b:
@@ -350,12 +418,18 @@ class RotaSchedCode(Policy):
     evicted = sched.schedule_running("recompute")
     if evicted and not rotated:
       return
+    # Admission over waiting + rotary by in_waiting_since; this step's victims sort last (their key is now)
+    # and may be swapped straight back in if room is left, as the fork's admission loop does.
     for r in self.candidates(sched, now):
       if sched.budget_left() <= 0 or sched.seats_left() <= 0:
         break
-      if r.state is not ROTARY and bm.num_host_blocks and bm.host_usage() > cfg.code_admit_host_gate:
-        continue  # protect the DRAM pool: fresh requests wait
-      if not sched.admit(r):
+      if r.state is ROTARY:
+        if not sched.swap_in(r, round_trip=True):
+          break
+        continue
+      if r.state is WAITING and bm.num_host_blocks and bm.host_usage() > cfg.code_admit_host_gate:
+        continue  # protect the DRAM pool: fresh (not preempted) requests wait
+      if not sched.admit_waiting(r):
         break
 
 

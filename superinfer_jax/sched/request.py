@@ -46,7 +46,7 @@ class Request:
                "prompt_token_ids", "output_token_ids", "state", "state_time", "first_token_time",
                "last_token_time", "finish_time", "finish_reason", "num_generated", "num_computed_tokens",
                "inflight_samples", "num_preemptions", "num_rotations", "tbt_max", "_qentry", "_demand",
-               "_touched_step", "_admit_seq", "_gen_at_admit")
+               "_touched_step", "_admit_step", "_out_step", "_gen_at_admit")
 
   def __init__(self, req_id: Hashable, prompt_len: int, max_tokens: int, arrival_time: float,
                ttft_slo: float | None = None, tbt_slo: float | None = None,
@@ -80,7 +80,8 @@ class Request:
     self._qentry = None  # the entry of this request in a scheduler queue (internal)
     self._demand = 0  # blocks counted in the scheduler's waiting+rotary demand (internal)
     self._touched_step = -1  # last step that moved this request between states (internal)
-    self._admit_seq = 0
+    self._admit_step = 0  # step it last entered RUNNING (internal; residency)
+    self._out_step = -1  # step it was last rotated out (internal; same-step round trips)
     self._gen_at_admit = 0  # num_generated + inflight_samples when it last entered RUNNING (internal)
 
   @property

@@ -3,8 +3,8 @@
 Public API
 ----------
 ``Scheduler(config: SchedulerConfig, block_manager: BlockManager, clock, policy="rotasched")``
-  ``policy`` is a name from ``policies.POLICIES`` (fcfs, fcfs_swap, wf, sf, rotasched, rotasched_code, edf)
-  or a ``Policy`` instance. ``clock`` is any object with ``now() -> float`` (``WallClock``, ``VirtualClock``).
+  ``policy`` is a name from ``policies.POLICIES`` (fcfs, fcfs_swap, wf, sf, rotasched, rotasched_strict,
+  rotasched_code, edf) or a ``Policy`` instance; None (default): ``config.policy``. ``clock`` is any object with ``now() -> float`` (``WallClock``, ``VirtualClock``).
 
   * ``add_request(req: Request) -> None``: queue a new request (state WAITING). Raises ``ValueError`` if the id
     is live already, or if the request can never fit the device pool
@@ -45,7 +45,9 @@ PREEMPTED) / rotary matching its state; RUNNING <=> resident in the block manage
 ``num_tokens == num_computed_tokens``; ROTARY <=> swapped in the block manager; WAITING/PREEMPTED <=> no
 blocks and ``num_computed_tokens == 0``; the incremental demand equals the sum over waiting + rotary;
 ``len(running) <= max_num_seqs``; the block manager's own invariants hold.
-Rules every policy obeys: a request is never rotated out and in within one step; mid-prefill requests are
+Rules every policy obeys: a request is never rotated out and in within one step (except ``rotasched_code``'s
+round trips, listed in ``StepPlan.round_trips``); proactive victims have been RUNNING ``min_residency``
+steps at least; mid-prefill requests are
 never rotated (a mid-prefill victim is preempted by recompute): a request is rotatable only when exactly one
 of its tokens lacks KV *and* it has sampled a token since it last entered RUNNING, which also guarantees
 progress between two evictions of the same request (no livelock); a request moved this step is not moved
@@ -54,13 +56,13 @@ except that a single request larger than B_xfer may move alone (otherwise it cou
 """
 from __future__ import annotations
 
-import bisect
-import dataclasses
-from typing import Hashable, Iterator
+from typing import Hashable
 
 from superinfer_jax.kv.block_manager import BlockManager
 from superinfer_jax.sched import vlt as vlt_lib
+from superinfer_jax.sched.config import SchedulerConfig
 from superinfer_jax.sched.plan import ScheduledSeq, StepPlan
+from superinfer_jax.sched.queue import SortedQueue
 from superinfer_jax.sched.request import Request, RequestState
 
 RUNNING = RequestState.RUNNING
@@ -69,104 +71,16 @@ ROTARY = RequestState.ROTARY
 PREEMPTED = RequestState.PREEMPTED
 
 
-@dataclasses.dataclass
-class SchedulerConfig:
-  """Scheduler knobs. Defaults are the paper's (PAPER.md §1.2, §2.2 table)."""
-  max_num_seqs: int = 256
-  max_num_batched_tokens: int = 8192
-  proactive_swap_budget: int = 2400  # B_xfer, blocks per step and direction; 0 disables proactive rotation
-  alpha: float = 3.0
-  beta_b: float = 0.0
-  beta_f: float = 0.5
-  ttft_slo: float = 5.0  # S_F, seconds
-  tbt_slo: float = 0.1  # S_B, seconds
-  enable_writeback: bool = True  # eager write-back of full blocks (PAPER.md §4.4)
-  max_writeback_blocks: int | None = None  # per step; None = all pending
-  # Host blocks eager write-back leaves free for rotations (None: min(proactive_swap_budget, a quarter of
-  # the host pool) -- B_xfer alone would exceed small host pools and silently switch write-back off).
-  # Mirrors of running requests are reclaimed when a rotation needs room, so this only limits churn.
-  writeback_min_free_host: int | None = None
-  lvf_scan_limit: int = 1024  # candidates Algorithm 1 examines per step (bounds per-step work)
-  lvf_max_skips: int = 64  # ... and it stops after this many consecutive candidates that do not fit
-  # Host pool full when a *proactive* victim should rotate out: False = it keeps running (no KV is thrown
-  # away to make room for an optional rotation); True = recompute preemption (the literal reading of "rotation
-  # falls back to recompute"; under contention with a tiny host pool it re-prefills a victim every few steps).
-  # The reactive path (a running request cannot grow) always falls back to recompute.
-  proactive_recompute: bool = False
-  code_swap_host_gate: float = 0.95  # rotasched_code: proactive swap-out only below this host usage
-  code_admit_host_gate: float = 0.9  # rotasched_code: fresh requests admitted only below this host usage
-
-  def __post_init__(self):
-    if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-      raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-    if self.proactive_swap_budget < 0:
-      raise ValueError("proactive_swap_budget must be >= 0")
-
-  def vlt_kwargs(self) -> dict:
-    return dict(alpha=self.alpha, beta_b=self.beta_b, beta_f=self.beta_f, ttft_slo=self.ttft_slo,
-                tbt_slo=self.tbt_slo)
-
-
-class SortedQueue:
-  """Requests sorted by a key fixed at push time (ascending = head). O(log n) search + memmove updates."""
-
-  def __init__(self):
-    self._items: list = []
-    self._seq = 0
-
-  def push(self, r: Request, key) -> None:
-    self._seq += 1
-    entry = (key, self._seq, r)
-    items = self._items
-    # Fast path: keys are mostly times that only grow (arrivals, last-token times), so most pushes append.
-    if not items or items[-1][0] <= key:
-      items.append(entry)  # the new seq is the largest, so entry sorts after every equal key
-    else:
-      bisect.insort(items, entry)
-    r._qentry = entry
-
-  def remove(self, r: Request) -> None:
-    entry = r._qentry
-    items = self._items
-    if items and items[0] is entry:  # fast path: admission takes from the head
-      del items[0]
-    else:
-      i = bisect.bisect_left(items, entry)
-      if i >= len(items) or items[i] is not entry:
-        raise KeyError(f"{r!r} not in this queue")
-      del items[i]
-    r._qentry = None
-
-  def __len__(self) -> int:
-    return len(self._items)
-
-  def __bool__(self) -> bool:
-    return bool(self._items)
-
-  def requests(self) -> list[Request]:
-    """A snapshot, head first (safe to iterate while the queue changes)."""
-    return [e[2] for e in self._items]
-
-  def iter_requests(self) -> Iterator[Request]:
-    """Lazy head-first iteration over a snapshot (O(1) Python work per request actually consumed)."""
-    return (e[2] for e in list(self._items))
-
-  def entries(self) -> list:
-    """Snapshot of ``(key, seq, request)`` entries, head first."""
-    return list(self._items)
-
-  def head(self) -> Request | None:
-    return self._items[0][2] if self._items else None
-
-
 class Scheduler:
   """One scheduler core with a pluggable policy. See the module docstring for the API and invariants."""
 
-  def __init__(self, config: SchedulerConfig, block_manager: BlockManager, clock, policy="rotasched"):
-    from superinfer_jax.sched.policies import make_policy  # avoid an import cycle
+  def __init__(self, config: SchedulerConfig, block_manager: BlockManager, clock, policy=None):
+    from superinfer_jax.sched.policies import make_policy  # policies import the scheduler's helpers' types
     self.config = config
     self.bm = block_manager
     self.clock = clock
+    if policy is None:
+      policy = config.policy
     self.policy = make_policy(policy) if isinstance(policy, str) else policy
     self.requests: dict[Hashable, Request] = {}
     self.running: dict[Hashable, Request] = {}  # admission order == t_run order
@@ -175,11 +89,10 @@ class Scheduler:
     self._demand = 0  # sum of blocks_for(planned_tokens) over waiting + rotary
     self._step = 0
     self._inflight: list[int] = []
-    self._admit_counter = 0
     self._finished: list[Request] = []
     self.totals = dict(steps=0, rotations_out=0, rotations_in=0, blocks_out=0, blocks_in=0,
                        blocks_writeback=0, recompute_preemptions=0, admitted=0, finished=0, aborted=0,
-                       scheduled_tokens=0)
+                       scheduled_tokens=0, round_trips=0, residency_steps=0, residencies=0)
     # per-step context
     self._plan: StepPlan | None = None
     self._now = 0.0
@@ -318,7 +231,7 @@ class Scheduler:
   def _finalize(self, plan: StepPlan) -> None:
     cfg = self.config
     bm = self.bm
-    if cfg.enable_writeback and self.policy.uses_host_pool:
+    if cfg.writeback and self.policy.uses_host_pool:
       reserve = cfg.writeback_min_free_host
       if reserve is None:
         reserve = min(cfg.proactive_swap_budget, bm.num_host_blocks // 4)
@@ -361,6 +274,10 @@ class Scheduler:
     gen = r.num_generated + r.inflight_samples
     return (r.planned_tokens - r.num_computed_tokens == 1 and r._touched_step != self._step
             and gen > r._gen_at_admit and gen < r.max_tokens)
+
+  def resident_long_enough(self, r: Request) -> bool:
+    """``min_residency``: a proactive victim must have been RUNNING for that many steps (0: always)."""
+    return self._step - r._admit_step >= self.config.min_residency
 
   def budget_left(self) -> int:
     return self._budget
@@ -473,9 +390,13 @@ class Scheduler:
     plan.rotated_out.append(rid)
     self._out_moved += n
     del self.running[rid]
+    t = self.totals
+    t["residency_steps"] += self._step - r._admit_step
+    t["residencies"] += 1
     r.state = ROTARY
     r.state_time = self._now
     r._touched_step = self._step
+    r._out_step = self._step
     r.num_rotations += 1
     self.rotary.push(r, self.policy.rotary_key(r, self))  # _enqueue_rotary(r), inline
     d = (r.prompt_len + r.num_generated + r.inflight_samples + bm.block_size - 1) // bm.block_size
@@ -511,13 +432,24 @@ class Scheduler:
     self._plan.preempted.append(r.req_id)
     self._enqueue_waiting(r, preempted=True)
 
-  def swap_in(self, r: Request, cap: int | None = None) -> bool:
-    """ROTARY -> RUNNING and schedule its pending token. False (no change) if it does not fit now."""
+  def swap_in(self, r: Request, cap: int | None = None, round_trip: bool = False) -> bool:
+    """ROTARY -> RUNNING and schedule its pending token. False (no change) if it does not fit now.
+
+    A request rotated out in this step comes back in it only with ``round_trip=True`` (``rotasched_code``:
+    the reference fork's admission loop may swap a victim straight back in). Its host copy is then this
+    step's D2H destination and H2D source at once; the plan lists it in ``round_trips`` and the engine
+    issues the step's D2H copies before its H2D copies (block manager ordering contract 3).
+    """
     assert r.state is ROTARY, r
-    if r._touched_step == self._step or r.inflight_samples:
-      return False  # never rotated out and in within one step
+    step = self._step
+    trip = r._out_step == step
+    if trip:
+      if not round_trip:
+        return False  # never rotated out and in within one step (unless the policy says so)
+    elif r._touched_step == step or r.inflight_samples:
+      return False
     c = r.num_computed_tokens
-    n = r.prompt_len + r.num_generated - c  # planned_tokens - num_computed_tokens (no sample in flight)
+    n = r.prompt_len + r.num_generated + r.inflight_samples - c  # planned_tokens - num_computed_tokens
     if n <= 0 or n > self._budget or len(self.running) >= self.config.max_num_seqs:
       return False
     bm = self.bm
@@ -537,14 +469,16 @@ class Scheduler:
     self._demand -= r._demand
     r._demand = 0
     plan.rotated_in.append(rid)
+    if trip:
+      plan.round_trips.append(rid)
+      self.totals["round_trips"] += 1
     self._in_moved += moved
     # _to_running(r), inline
     r.state = RUNNING
     r.state_time = self._now
     r._touched_step = self._step
-    self._admit_counter += 1
-    r._admit_seq = self._admit_counter
-    r._gen_at_admit = r.num_generated  # + inflight_samples, which is 0 here
+    r._admit_step = self._step
+    r._gen_at_admit = r.num_generated + r.inflight_samples
     self.running[rid] = r
     plan.scheduled.append(ScheduledSeq(rid, n, c, bm.block_table(rid), True))  # _emit: c + n == planned
     self._budget -= n
@@ -576,8 +510,7 @@ class Scheduler:
     r.state = RUNNING
     r.state_time = self._now
     r._touched_step = self._step
-    self._admit_counter += 1
-    r._admit_seq = self._admit_counter
+    r._admit_step = self._step
     r._gen_at_admit = r.num_generated + r.inflight_samples
     self.running[r.req_id] = r
 
