@@ -58,10 +58,6 @@ _MIN_DOT_ROWS = 16  # Triton's tl.dot needs M, N, K >= 16.
 _DECODE_TOKEN_FLOOR = 8
 
 
-def _next_pow2(x: int) -> int:
-  return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
 def default_interpret() -> bool:
   """Interpret mode unless a GPU is the default backend (Pallas compiles only there for this kernel)."""
   return jax.default_backend() != "gpu"
@@ -114,19 +110,19 @@ def auto_config(*, num_tokens: int, num_seqs: int, max_blocks: int, num_q_heads:
     64-row tiles. Split-K (either mode, compiled only) when there are too few (tile, kv-head) programs to fill
     the GPU (target 4 programs per SM), keeping >= 4 KV steps per split.
   """
-  group_p = _next_pow2(num_q_heads // num_kv_heads)
+  group_p = pl.next_power_of_2(num_q_heads // num_kv_heads)
   if tile_q is None:
     target_rows = _MIN_DOT_ROWS if decode else 64
     tile_q = max(1, target_rows // group_p)
     if not decode:  # no point in tiles longer than the whole (bucketed) token axis
-      tile_q = min(tile_q, _next_pow2(max(1, num_tokens)))
+      tile_q = min(tile_q, pl.next_power_of_2(max(1, num_tokens)))
     tile_q = max(tile_q, max(1, _MIN_DOT_ROWS // group_p))
   if blocks_per_iter is None:
     # 64 keys x D 128 x 2 B per K/V tile -> ~38 KB smem per program with 2 stages (sm_90, checked with
     # pallas_kernels.triton_check); 4-byte dtypes take half the keys to keep occupancy.
     keys_per_iter = 64 if itemsize <= 2 else 32
     blocks_per_iter = max(1, keys_per_iter // block_size)
-    blocks_per_iter = min(blocks_per_iter, _next_pow2(max_blocks))
+    blocks_per_iter = min(blocks_per_iter, pl.next_power_of_2(max_blocks))
     # Triton dot needs N >= 16 keys per step.
     while blocks_per_iter * block_size < 16:
       blocks_per_iter *= 2

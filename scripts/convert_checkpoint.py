@@ -6,7 +6,7 @@ The output is loadable with ``superinfer_jax.model.load_model(output)`` (and ``l
 """
 from absl import app, flags
 
-from superinfer_jax.model.loaders.orbax_io import convert_to_orbax
+from superinfer_jax.model.convert import convert_to_orbax
 
 _INPUT = flags.DEFINE_string("input", None, "HF model dir, .gguf file or built-in model name.")
 _OUTPUT = flags.DEFINE_string("output", None, "Output directory (must be empty or absent).")

@@ -61,7 +61,7 @@ def test_convert_checkpoint_script_round_trip(tiny_llama, tmp_path):
 
 
 def test_convert_refuses_non_empty_output(tiny_llama, tmp_path):
-  from superinfer_jax.model.loaders.orbax_io import convert_to_orbax
+  from superinfer_jax.model.convert import convert_to_orbax
   _, hf_dir = tiny_llama
   (tmp_path / "junk").write_text("x")
   with pytest.raises(FileExistsError, match="not empty"):

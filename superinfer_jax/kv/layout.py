@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from superinfer_jax.util import cdiv
+
 PADDING_BLOCK = 0
 BLOCK_FIRST = "block_first"
 LAYER_FIRST = "layer_first"
@@ -79,4 +81,4 @@ class KVCacheSpec:
     return self.block_bytes // self.segment_bytes
 
   def blocks_for_tokens(self, num_tokens: int) -> int:
-    return -(-num_tokens // self.block_size)
+    return cdiv(num_tokens, self.block_size)

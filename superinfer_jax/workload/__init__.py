@@ -15,11 +15,11 @@ from superinfer_jax.workload.datasets import (PromptPair, TruncatedFileInfo, bui
                                               dataset_pairs, detect_format, iter_json_array,
                                               load_dataset, lmsys_pairs, sharegpt_pairs, trace_pairs)
 from superinfer_jax.workload.synthetic import LengthDist, synthetic_workload
-from superinfer_jax.workload.types import RequestSpec, Workload, encode_text, filter_requests
+from superinfer_jax.workload.types import RequestSpec, Workload, filter_requests
 
 __all__ = [
     "CONVENTIONS", "SUPERINFER", "VLLM", "arrival_times", "gamma_arrivals", "gamma_shape_scale",
     "poisson_arrivals", "PromptPair", "TruncatedFileInfo", "build_workload", "dataset_pairs",
     "detect_format", "iter_json_array", "load_dataset", "lmsys_pairs", "sharegpt_pairs", "trace_pairs",
-    "LengthDist", "synthetic_workload", "make_workload", "RequestSpec", "Workload", "encode_text", "filter_requests",
+    "LengthDist", "synthetic_workload", "make_workload", "RequestSpec", "Workload", "filter_requests",
 ]

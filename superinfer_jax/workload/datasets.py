@@ -27,7 +27,8 @@ import os
 import random
 from typing import Any, Iterable, Iterator
 
-from superinfer_jax.workload.types import RequestSpec, Workload, _keep, encode_text
+from superinfer_jax.model.tokenizer import encode_text
+from superinfer_jax.workload.types import RequestSpec, Workload, _keep
 
 _HUMAN = ("human", "user")
 _ASSISTANT = ("gpt", "chatgpt", "assistant", "bard", "bing", "model")
@@ -220,7 +221,8 @@ def build_workload(pairs: Iterable[PromptPair], tokenizer: Any, *, num_requests:
 
   Args:
     pairs: PromptPairs from one of the loaders.
-    tokenizer: counts prompt tokens (see ``encode_text``); the served model's tokenizer.
+    tokenizer: counts prompt tokens; the served model's tokenizer (any that
+      ``superinfer_jax.model.tokenizer.encode_text`` accepts).
     num_requests: stop after this many kept requests (None = all).
     seed: seeds the shuffle (``random.Random(seed).shuffle``); same seed -> same workload.
     shuffle: shuffle pairs before taking (False keeps file order, as SuperInfer replays its trace).

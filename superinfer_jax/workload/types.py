@@ -9,9 +9,7 @@ Invariants (checked in ``RequestSpec.__post_init__``):
   * ``arrival_s >= 0`` (seconds, relative to the run's start).
 A ``Workload`` built by ``with_arrivals`` has non-decreasing arrival times.
 
-Tokenizers: anything with ``encode(str) -> list[int]`` (a transformers tokenizer, our
-``superinfer_jax.model.load_tokenizer``), a HF ``tokenizers.Tokenizer`` (whose ``encode`` returns an
-``Encoding``; its ``.ids`` are used) or a bare callable ``str -> list[int]``. Pure Python + numpy, no JAX.
+Pure Python + numpy, no JAX. Text is tokenized by ``superinfer_jax.model.tokenizer.encode_text``.
 """
 from __future__ import annotations
 
@@ -21,17 +19,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-  """Token ids of ``text`` under ``tokenizer`` (see the module docstring for what is accepted)."""
-  encode = getattr(tokenizer, "encode", None)
-  if encode is None:
-    if not callable(tokenizer):
-      raise TypeError(f"tokenizer {tokenizer!r} has no encode() and is not callable")
-    encode = tokenizer
-  out = encode(text)
-  ids = getattr(out, "ids", out)  # tokenizers.Encoding -> .ids
-  return [int(t) for t in ids]
+# Re-export only for superinfer_jax/engine/integration.py, until it imports model.tokenizer directly.
+from superinfer_jax.model.tokenizer import encode_text  # noqa: F401  pylint: disable=unused-import
 
 
 @dataclasses.dataclass(frozen=True)

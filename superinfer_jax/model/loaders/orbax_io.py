@@ -1,4 +1,5 @@
-"""Orbax checkpoint of (config, params [, tokenizer]) — what ``scripts/convert_checkpoint.py`` writes.
+"""Orbax checkpoint of (config, params [, tokenizer]) — what ``scripts/convert_checkpoint.py`` writes
+(via ``superinfer_jax.model.convert.convert_to_orbax``).
 
 Directory layout::
 
@@ -80,21 +81,3 @@ def load_orbax(path: str, dtype: str = "float32") -> tuple[ModelConfig, Any]:
     params = jax.tree.map(lambda x: x.astype(DTYPES[dtype]), params)
   jax.block_until_ready(params)
   return cfg, params
-
-
-
-def convert_to_orbax(src: str, dst: str, dtype: str = "float32") -> ModelConfig:
-  """Loads a model (HF dir, GGUF, built-in name) and writes it, with its tokenizer if any, to ``dst``."""
-  from superinfer_jax.model.api import load_model
-  from superinfer_jax.model.tokenizer import load_tokenizer, save_tokenizer
-  if os.path.exists(dst) and os.listdir(dst):
-    raise FileExistsError(f"output {dst} exists and is not empty")
-  cfg, params = load_model(src, dtype)
-  try:
-    tok = load_tokenizer(src)
-  except FileNotFoundError:
-    tok = None
-  save_orbax(dst, cfg, params)
-  if tok is not None:
-    save_tokenizer(tok, dst)
-  return cfg

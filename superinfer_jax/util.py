@@ -1,0 +1,22 @@
+"""Small integer helpers shared across packages (pure Python: importable without JAX or numpy).
+
+``kv/block_manager.py`` and ``sched/`` keep their inline arithmetic on purpose (hot paths), and
+``pallas_kernels/`` uses ``jax.experimental.pallas``' own ``cdiv`` / ``next_power_of_2``.
+"""
+from __future__ import annotations
+
+
+def cdiv(a: int, b: int) -> int:
+  """Ceiling of ``a / b`` for ints ``a >= 0``, ``b > 0``: e.g. the blocks of ``b`` tokens that hold ``a``.
+
+  ``cdiv(0, 16) == 0``, ``cdiv(16, 16) == 1``, ``cdiv(17, 16) == 2``.
+  """
+  return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+  """Smallest power of two ``>= n``; 1 for ``n <= 1``.
+
+  ``next_power_of_2(5) == 8``, ``next_power_of_2(8) == 8``, ``next_power_of_2(0) == 1``.
+  """
+  return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
