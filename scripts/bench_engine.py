@@ -68,8 +68,8 @@ def bench_engine(engine, batch, prompt_len, max_tokens):
           "host_time_share": st.host_time_share, "exposed_host_share": st.exposed_host_share,
           "host_ms_per_step": {k: 1e3 * getattr(st, f"{k}_time_s") / max(st.steps, 1)
                                for k in ("schedule", "issue", "dispatch", "process", "exposed_host")},
-          "pipeline": engine.config.pipeline, "policy": engine.config.policy,
-          "attention": engine.config.attention}
+          "pipeline": engine.config.pipeline, "policy": engine.config.scheduler.policy,
+          "attention": engine.config.model.attention}
 
 
 def bench_torch(model, batch, prompt_len, max_tokens, vocab):

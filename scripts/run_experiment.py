@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 from superinfer_jax.engine.config import define_engine_flags, engine_config_from_flags  # noqa: E402
+from superinfer_jax.sched.policies import POLICIES  # noqa: E402
 from superinfer_jax.experiment.runner import SweepSpec, finish_report, parse_float_list, run_sweep  # noqa: E402
 
 flags.DEFINE_string("model", "smollm2-135m", "HF dir, .gguf, orbax dir, or smollm2-135m")
@@ -51,10 +52,9 @@ def main(argv):
         burstiness=FLAGS.burstiness, warmup=FLAGS.warmup, time_limit_s=FLAGS.time_limit_s or None,
         hardware=FLAGS.hardware or None, progress=FLAGS.progress)
     config = engine_config_from_flags()
-    from superinfer_jax.engine.config import registered_policies
-    unknown = [p for p in spec.policies if p not in registered_policies()]
+    unknown = [p for p in spec.policies if p not in POLICIES]
     if unknown:
-      raise ValueError(f"unknown policies {unknown}; known: {', '.join(registered_policies())}")
+      raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
   except ValueError as e:
     sys.exit(f"run_experiment: {e}")
   rows = run_sweep(spec, config)

@@ -29,7 +29,7 @@ def _config(**kw):
               max_num_batched_tokens=32, max_num_seqs=8, token_bucket_floor=32, seq_bucket_floor=8,
               blocks_bucket_floor=MAX_POS // BS)
   base.update(kw)
-  return EngineConfig(**base)
+  return EngineConfig.create(**base)
 
 
 def _engine(model, sched=None, tokenizer=None, clock=None, **kw):
@@ -223,7 +223,7 @@ def test_bad_requests_rejected_engine_keeps_serving(model):
 
 
 def test_bad_config_is_a_startup_error(model):
-  with pytest.raises(ValueError, match="unknown scheduling policy 'nope'"):
+  with pytest.raises(ValueError, match="policy: unknown value 'nope'.*rotasched"):
     _engine(model, policy="nope")
   with pytest.raises(ValueError, match="attention"):
     _engine(model, attention="flash")

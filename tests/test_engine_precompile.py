@@ -11,7 +11,7 @@ MAX_POS = 96   # a config no other test uses: its step compilations start from z
 
 def _engine(model):
   cfg, params = model
-  return LLMEngine((cfg, params, None), EngineConfig(
+  return LLMEngine((cfg, params, None), EngineConfig.create(
       num_device_blocks=12, num_host_blocks=64, block_size=BS, policy="rotasched", ttft_slo=1e-3,
       tbt_slo=1e-3, max_num_batched_tokens=32, max_num_seqs=4, token_bucket_floor=8, seq_bucket_floor=4,
       blocks_bucket_floor=MAX_POS // BS, rotation_max_bucket=8))

@@ -31,7 +31,7 @@ def _config(**kw):
               blocks_bucket_floor=MAX_POS // BS, ttft_slo=0.05, tbt_slo=0.02, proactive_swap_budget=8,
               rotation_min_bucket=8)
   base.update(kw)
-  return EngineConfig(**base)
+  return EngineConfig.create(**base)
 
 
 def _engine(model, **kw):

@@ -28,7 +28,7 @@ def _engine(smol, **kw):
               blocks_bucket_floor=8, ttft_slo=0.05, tbt_slo=0.02, proactive_swap_budget=8,
               rotation_min_bucket=8)
   base.update(kw)
-  return LLMEngine(smol, EngineConfig(**base), clock=TickClock())
+  return LLMEngine(smol, EngineConfig.create(**base), clock=TickClock())
 
 
 @pytest.fixture(scope="module")

@@ -1,17 +1,17 @@
 """Test doubles and helpers for the engine tests: a tiny random model and a minimal FCFS scheduler.
 
-``FakeScheduler`` implements the scheduler contract (WORKSPACE_NOTES "Module contracts": ``add_request``,
-``abort``, ``schedule(lookahead)``, ``on_step_done``; ``StepPlan`` fields) with FCFS admission, chunked
-prefill and recompute preemption only — no rotation. It lets the engine loop be tested independently of
-``superinfer_jax.sched``.
+``FakeScheduler`` implements ``sched.protocol.SchedulerProtocol`` (``add_request``, ``abort``,
+``schedule(lookahead)``, ``on_step_done``, ``pop_finished``, ``has_unfinished``; plans are ``StepPlan``s)
+with FCFS admission, chunked prefill and recompute preemption only — no rotation. It lets the engine loop
+be tested independently of ``superinfer_jax.sched.Scheduler``.
 """
 import collections
-import dataclasses
 
 import jax
 import numpy as np
 
 from superinfer_jax.model.config import ModelConfig
+from superinfer_jax.sched.plan import ScheduledSeq, StepPlan
 
 
 def tiny_config(vocab=128, layers=2, hidden=64, heads=4, kv_heads=2, max_pos=256, eos=()):
@@ -46,25 +46,6 @@ def random_params(cfg, seed=0, scale=0.5):
   return jax.device_put(build(shapes))
 
 
-@dataclasses.dataclass
-class FakeScheduledSeq:
-  req_id: str
-  num_new_tokens: int
-  num_computed_tokens: int
-  block_table: list
-
-
-@dataclasses.dataclass
-class FakePlan:
-  scheduled: list
-  swap_out: list = dataclasses.field(default_factory=list)
-  swap_in: list = dataclasses.field(default_factory=list)
-  writeback: list = dataclasses.field(default_factory=list)
-  rotated_out: list = dataclasses.field(default_factory=list)
-  rotated_in: list = dataclasses.field(default_factory=list)
-  preempted: list = dataclasses.field(default_factory=list)
-
-
 class _R:
   def __init__(self, request_id, prompt_len):
     self.id = request_id
@@ -76,8 +57,10 @@ class _R:
 class FakeScheduler:
   """FCFS + chunked prefill + recompute preemption (no rotation), with lookahead."""
 
-  def __init__(self, config, block_manager, clock, max_model_len=None):
+  def __init__(self, config, block_manager, clock):
     self.bm = block_manager
+    self.clock = clock
+    self.step_id = 0
     self.budget = config.max_num_batched_tokens
     self.max_seqs = config.max_num_seqs
     self.waiting = collections.deque()
@@ -85,10 +68,8 @@ class FakeScheduler:
     self.reqs = {}
     self.num_preempted = 0
 
-  def new_request(self, request_id, prompt_token_ids, **_):
-    return _R(request_id, len(prompt_token_ids))
-
-  def add_request(self, r):
+  def add_request(self, req):
+    r = _R(req.req_id, req.prompt_len)
     self.reqs[r.id] = r
     self.waiting.append(r)
 
@@ -107,7 +88,8 @@ class FakeScheduler:
 
   def schedule(self, lookahead=False):
     budget = self.budget
-    plan = FakePlan(scheduled=[])
+    plan = StepPlan(step_id=self.step_id, time=self.clock.now(), lookahead=lookahead)
+    self.step_id += 1
     scheduled = []
     i = 0
     while i < len(self.running) and budget > 0:
@@ -142,12 +124,20 @@ class FakeScheduler:
       scheduled.append((r, n))
       budget -= n
     for r, n in scheduled:
-      plan.scheduled.append(FakeScheduledSeq(r.id, n, r.num_computed, self.bm.block_table(r.id)))
+      target = self._target(r, lookahead)
+      plan.scheduled.append(ScheduledSeq(r.id, n, r.num_computed, self.bm.block_table(r.id),
+                                         r.num_computed + n >= target))
       r.num_computed += n
       self.bm.mark_computed(r.id, r.num_computed)
       if r.num_computed >= self._target(r, lookahead):
         r.pending = True
     return plan
+
+  def pop_finished(self):
+    return []
+
+  def has_unfinished(self):
+    return bool(self.reqs)
 
   def on_step_done(self, plan, new_tokens, finished, now):
     for rid, _ in new_tokens.items():

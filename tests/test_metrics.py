@@ -18,7 +18,7 @@ def _hand_timelines():
   b = RequestTimeline("b", 0.5, 5, 1, [0.8], [(0.5, "waiting"), (0.75, "running")], "length")
   # c is rotated out after its 2nd token and parked 2 s on host: one long TBT gap.
   c = RequestTimeline("c", 1.0, 7, 4, [1.5, 1.5625, 3.5625, 3.625],
-                      [(1.0, "waiting"), (1.25, "running"), (1.6, "swapped"), (3.5, "running")],
+                      [(1.0, "waiting"), (1.25, "running"), (1.6, "rotary"), (3.5, "running")],
                       "length")
   d = RequestTimeline("d", 2.0, 3, 0, [], [(2.0, "waiting")], None)  # never finished
   return [a, b, c, d]
@@ -182,7 +182,7 @@ def test_timeline_recorder_matches_hand_timeline():
   rec.state("c", 1.3, M.RUNNING)  # no change: ignored
   rec.token("c", 1.5)
   rec.token("c", 1.5625)
-  rec.state("c", 1.6, M.SWAPPED)
+  rec.state("c", 1.6, M.ROTARY)
   rec.state("c", 3.5, M.RUNNING)
   rec.token("c", 3.5625)
   rec.token("c", 3.625)
@@ -191,7 +191,7 @@ def test_timeline_recorder_matches_hand_timeline():
   c, d = rec.timelines()
   hand = _hand_timelines()[2]
   assert c.token_times_s == hand.token_times_s and c.output_len == 4 and c.finished
-  assert [s for _, s in c.state_changes] == ["waiting", "running", "swapped", "running", "finished"]
+  assert [s for _, s in c.state_changes] == ["waiting", "running", "rotary", "running", "finished"]
   assert c.first_scheduled_s == 1.25 and c.num_rotations == 1
   assert c.tpot_s == hand.tpot_s and not d.finished
   c.validate()

@@ -49,9 +49,39 @@ from superinfer_jax.engine import sampling as sampling_lib
 from superinfer_jax.engine.config import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, CompletionOutput,
                                           EngineConfig, RequestOutput, SamplingParams)
 from superinfer_jax.engine.detokenizer import IncrementalDetokenizer
-from superinfer_jax.engine import integration as integ
+from superinfer_jax.kv.block_manager import BlockManager
+from superinfer_jax.kv.layout import BLOCK_FIRST
+from superinfer_jax.model import load_model, load_tokenizer
+from superinfer_jax.model.batch import bucket, build_batch
+from superinfer_jax.model.forward import forward, init_kv_cache
+from superinfer_jax.model.tokenizer import encode_text
+from superinfer_jax.rotation import DuplexKV
+from superinfer_jax.sched import Request, Scheduler, WallClock
+from superinfer_jax.sched.protocol import SchedulerProtocol
 
 PromptType = Union[str, Sequence[int]]
+
+
+def _tokenizer_or_none(path_or_name: str):
+  """The model's tokenizer, or None when the model ships none (token-id prompts only)."""
+  try:
+    return load_tokenizer(path_or_name)
+  except (FileNotFoundError, ValueError, OSError):
+    return None
+
+
+def _eos_token_ids(cfg, tokenizer) -> set[int]:
+  """End-of-sequence ids from the model config and the tokenizer (``model.Tokenizer`` or an HF one)."""
+  ids = set(getattr(cfg, "eos_token_ids", ()) or ())
+  for attr in ("eos_ids", "eos_token_ids"):
+    v = getattr(tokenizer, attr, None)
+    if v:
+      ids.update(int(x) for x in v)
+  for attr in ("eos_id", "eos_token_id"):
+    v = getattr(tokenizer, attr, None)
+    if isinstance(v, int):
+      ids.add(v)
+  return ids
 
 
 class RequestError(ValueError):
@@ -72,7 +102,9 @@ class EngineStats:
   blocks_in: int = 0             # H2D blocks
   bytes_out: int = 0             # D2H bytes (swap-out + write-back)
   bytes_in: int = 0
+  round_trips: int = 0           # rotated out and back in within one step (rotasched_code)
   recompute_preemptions: int = 0
+  contended_steps: int = 0       # steps planned under memory contention (rotation considered)
   rescheduled_drops: int = 0     # lookahead slots dropped because the request finished
   step_time_s: float = 0.0       # wall time spent inside step()
   host_time_s: float = 0.0       # ... of which not blocked waiting for sampled tokens
@@ -123,6 +155,7 @@ class _Req:
   pending_tokens: list[int] = dataclasses.field(default_factory=list)
   pending_times: list[float] = dataclasses.field(default_factory=list)
   pending_text: str = ""
+  pending_states: list[tuple[float, str]] = dataclasses.field(default_factory=list)
   reported_final: bool = False
 
   @property
@@ -161,7 +194,7 @@ def _step_fn(params, kv_cache, packed, *, dims, cfg, attention):
   ``packed`` is the step's one int32 buffer (``engine/packing.py``) with batch dims ``dims`` (static).
   """
   batch, samp = packing.unpack(packed, dims)
-  logits, kv_cache = integ.forward(params, kv_cache, batch, cfg, attention)
+  logits, kv_cache = forward(params, kv_cache, batch, cfg, attention)
   tokens = sampling_lib.sample(logits, *samp)
   return tokens, kv_cache
 
@@ -181,14 +214,17 @@ class LLMEngine:
     clock: object with ``now() -> float`` seconds (default: the scheduler package's ``WallClock``).
     tokenizer: overrides the tokenizer loaded with the model (None: load it when ``model`` is a path;
       with ``(cfg, params)`` and no tokenizer, prompts must be token ids and outputs have no text).
-    scheduler_factory: ``(config, block_manager, clock, max_model_len) -> scheduler`` to plug in a custom
-      scheduler (default: ``superinfer_jax.sched`` with ``config.policy``).
+    scheduler_factory: ``(scheduler_config, block_manager, clock) -> SchedulerProtocol`` to plug in a
+      custom scheduler (default: ``sched.Scheduler`` with ``config.scheduler.policy``).
   """
 
   def __init__(self, model: Any, config: Optional[EngineConfig] = None, clock: Any = None,
                tokenizer: Any = None, scheduler_factory: Any = None):
     self.config = config = (config or EngineConfig())
-    config.validate()
+    if config.rotation.kv_layout != BLOCK_FIRST:
+      raise ValueError(f"kv_layout={config.rotation.kv_layout!r}: the engine's attention reads a block-first "
+                       "cache; the layer-first layout is measured by scripts/bench_transfer.py and modelled "
+                       "by the simulator")
     if isinstance(model, (tuple, list)):
       if len(model) == 3:
         cfg, params, tok = model
@@ -198,25 +234,24 @@ class LLMEngine:
         raise ValueError("model tuple must be (cfg, params) or (cfg, params, tokenizer)")
       params = jax.device_put(params)
     else:
-      cfg, params = integ.load_model(model, dtype=config.dtype)
-      tok = integ.load_tokenizer(model) if tokenizer is None else None
+      cfg, params = load_model(model, dtype=config.model.dtype)
+      tok = _tokenizer_or_none(model) if tokenizer is None else None
     self.model_config = cfg
     self.params = params
     self.tokenizer = tokenizer if tokenizer is not None else tok
-    self.eos_token_ids = frozenset(integ.eos_token_ids(cfg, self.tokenizer))
-    self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
+    self.eos_token_ids = frozenset(_eos_token_ids(cfg, self.tokenizer))
+    self.max_model_len = min(config.model.max_model_len or cfg.max_position_embeddings,
                              cfg.max_position_embeddings)
-    self.clock = clock if clock is not None else integ.wall_clock()
-    self.kv_spec = cfg.kv_spec(config.block_size, dtype=config.dtype)
+    self.clock = clock if clock is not None else WallClock()
+    self.kv_spec = cfg.kv_spec(config.block_size, dtype=config.model.dtype)
     self.num_device_blocks = self._device_blocks()
     self.num_host_blocks = self._host_blocks()
-    self.block_manager = integ.make_block_manager(self.num_device_blocks, self.num_host_blocks,
-                                                  config.block_size)
-    self.scheduler = (scheduler_factory or integ.make_scheduler)(
-        config, self.block_manager, self.clock, max_model_len=self.max_model_len)
-    self.kv_cache = integ.init_kv_cache(cfg, self.num_device_blocks + 1, config.block_size, config.dtype)
-    self.duplex = integ.make_duplex(self.kv_spec, self.num_host_blocks, config)
-    self._step_kwargs = dict(cfg=cfg, attention=config.attention)
+    self.block_manager = BlockManager(self.num_device_blocks, self.num_host_blocks, config.block_size)
+    self.scheduler: SchedulerProtocol = (scheduler_factory or Scheduler)(
+        config.scheduler, self.block_manager, self.clock)
+    self.kv_cache = init_kv_cache(cfg, self.num_device_blocks + 1, config.block_size, config.model.dtype)
+    self.duplex = self._make_duplex()
+    self._step_kwargs = dict(cfg=cfg, attention=config.model.attention)
     self.stats = EngineStats()
     self._reqs: dict[str, _Req] = {}
     self._unfinished: set[str] = set()
@@ -251,6 +286,18 @@ class LLMEngine:
       return c.num_host_blocks
     return int(c.host_gib * 2**30) // self.kv_spec.block_bytes
 
+  def _make_duplex(self) -> Optional[DuplexKV]:
+    """The DuplexKV over the host pool (None without one: nothing rotates). Pinned host memory where the
+    backend has it, else unpinned (both hold the same bytes; only speed differs)."""
+    if self.num_host_blocks == 0:
+      return None
+    rc = self.config.rotation
+    device = jax.local_devices()[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    kind = "pinned_host" if "pinned_host" in kinds else "unpinned_host"
+    return DuplexKV(self.kv_spec, self.num_host_blocks, mode=rc.transfer_mode, device=device,
+                    host_memory_kind=kind, min_bucket=rc.rotation_min_bucket, max_bucket=rc.rotation_max_bucket)
+
   # ---------------------------------------------------------------------------------------- requests
   def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None, *,
                   request_id: Optional[str] = None, ttft_slo: Optional[float] = None,
@@ -265,7 +312,7 @@ class LLMEngine:
     if isinstance(prompt, str):
       if self.tokenizer is None:
         raise RequestError("text prompt given but the engine has no tokenizer; pass token ids")
-      prompt_ids = integ.encode(self.tokenizer, prompt)
+      prompt_ids = encode_text(self.tokenizer, prompt)
     else:
       try:
         prompt_ids = [int(t) for t in prompt]
@@ -296,16 +343,15 @@ class LLMEngine:
         request_id = f"req-{next(self._id_counter)}"
     elif request_id in self._reqs:
       raise RequestError(f"duplicate request id {request_id!r}")
-    seed = params.seed if params.seed is not None else integ.derive_seed(self.config.seed, request_id)
+    seed = params.seed if params.seed is not None else sampling_lib.derive_seed(self.config.seed, request_id)
     now = self.clock.now() if arrival_time is None else arrival_time
     detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
              if self.tokenizer is not None else None)
     r = _Req(request_id=request_id, prompt_token_ids=prompt_ids, params=params, seed=seed,
              max_total_len=max_total, arrival_time=now, detok=detok)
     try:
-      self.scheduler.add_request(integ.make_sched_request(
-          self.scheduler, request_id, prompt_ids, max_tokens=max_total - len(prompt_ids), arrival_time=now,
-          ttft_slo=ttft_slo, tbt_slo=tbt_slo))
+      self.scheduler.add_request(Request(request_id, len(prompt_ids), max_total - len(prompt_ids), now,
+                                         ttft_slo=ttft_slo, tbt_slo=tbt_slo))
     except ValueError as e:
       raise RequestError(str(e)) from None
     self._reqs[request_id] = r
@@ -397,15 +443,29 @@ class LLMEngine:
     plan = self.scheduler.schedule(lookahead=lookahead) if lookahead else self.scheduler.schedule()
     st = self.stats
     st.schedule_time_s += time.perf_counter() - t
-    st.rotations_out += len(integ.plan_field(plan, "rotated_out"))
-    st.rotations_in += len(integ.plan_field(plan, "rotated_in"))
-    st.recompute_preemptions += len(integ.plan_field(plan, "preempted"))
+    st.rotations_out += len(plan.rotated_out)
+    st.rotations_in += len(plan.rotated_in)
+    st.round_trips += len(plan.round_trips)
+    st.recompute_preemptions += len(plan.preempted)
+    if plan.contention:
+      st.contended_steps += 1
+    self._record_state_changes(plan)
     return plan
 
+  def _record_state_changes(self, plan) -> None:
+    """Queues each request's state changes of ``plan`` for its next output (in the order they happened:
+    proactive and reactive rotations out / recompute preemptions, then rotations in and admissions)."""
+    t = plan.time
+    for ids, state in ((plan.rotated_out, "rotary"), (plan.preempted, "preempted"),
+                       (plan.rotated_in, "running"), (plan.admitted, "running")):
+      for rid in ids:
+        r = self._reqs.get(rid)
+        if r is not None and not r.finished:
+          r.pending_states.append((t, state))
+          self._pending_out[rid] = None
+
   def _issue(self, plan) -> None:
-    swap_out = integ.plan_pairs(plan, "swap_out")  # PairLists: handed to DuplexKV column-wise
-    writeback = integ.plan_pairs(plan, "writeback")
-    swap_in = integ.plan_pairs(plan, "swap_in")
+    swap_out, writeback, swap_in = plan.swap_out, plan.writeback, plan.swap_in  # PairLists, column-wise
     if not (swap_out or writeback or swap_in):
       return
     st = self.stats
@@ -418,14 +478,20 @@ class LLMEngine:
     if self.duplex is None:
       raise RuntimeError("the scheduler planned KV copies but the engine has no host pool")
     t = time.perf_counter()
-    self.kv_cache = self.duplex.issue(self.kv_cache, swap_out, writeback, swap_in)
+    if plan.round_trips:
+      # A victim swapped straight back in (rotasched_code): its host blocks are this step's D2H destinations
+      # and H2D sources, so the D2H copies go first and the H2D reads wait for them (data dependency).
+      self.kv_cache = self.duplex.issue(self.kv_cache, swap_out, writeback)
+      self.kv_cache = self.duplex.issue(self.kv_cache, swap_in=swap_in)
+    else:
+      self.kv_cache = self.duplex.issue(self.kv_cache, swap_out, writeback, swap_in)
     st.issue_time_s += time.perf_counter() - t
 
   def _dispatch(self, plan) -> Optional[_InFlight]:
     """Builds the batch for ``plan`` (skipping finished requests) and dispatches the jitted step."""
     t0 = time.perf_counter()
     seqs, rows_req, ids = [], [], []
-    for s in integ.plan_field(plan, "scheduled"):
+    for s in plan.scheduled:
       r = self._reqs.get(s.req_id)
       if r is None or r.finished:
         self.stats.rescheduled_drops += 1
@@ -438,20 +504,20 @@ class LLMEngine:
       seqs.append((r.tokens(start, stop), start, list(s.block_table)))
       ids.append(s.req_id)
       sample = stop == r.all_tokens_len()   # the chunk reaches the end of the known tokens: sample
-      if getattr(s, "sample", sample) != sample:
+      if s.sample != sample:
         raise RuntimeError(f"plan says sample={s.sample} for {s.req_id!r} tokens [{start}, {stop}) but the "
                            f"request has {r.all_tokens_len()} tokens")
       rows_req.append(sample)
     if not seqs:
       return None
-    batch, logit_rows = integ.build_batch(seqs, self.config.block_size, self.config)
-    R = integ.num_logit_rows(batch)
+    batch = self._build_batch(seqs)
+    R = int(batch.logits_indices.shape[0])
     samp = sampling_lib.SamplingArrays.empty(R)
     rows = []
     for i, (rid, want) in enumerate(zip(ids, rows_req)):
       if not want:
         continue
-      row = logit_rows[i]
+      row = i  # logits="last": row i holds sequence i's last token
       r = self._reqs[rid]
       p = r.params
       samp.temperature[row] = p.temperature
@@ -498,10 +564,8 @@ class LLMEngine:
 
   def _on_step_done(self, plan, new_tokens, finished, now=None) -> None:
     self.scheduler.on_step_done(plan, new_tokens, finished, self.clock.now() if now is None else now)
-    pop = getattr(self.scheduler, "pop_finished", None)
-    if pop is not None:
-      pop()   # the engine keeps its own results: the scheduler must not hoard finished requests
-    if self._unfinished and not new_tokens and not integ.plan_has_work(plan):
+    self.scheduler.pop_finished()  # the engine keeps its own results: the scheduler must not hoard them
+    if self._unfinished and not new_tokens and not plan.has_work:
       self._empty_steps += 1
       if self._empty_steps > 1000:
         raise RuntimeError("the scheduler made no progress for 1000 steps with requests pending "
@@ -551,8 +615,8 @@ class LLMEngine:
       outs.append(RequestOutput(request_id=r.request_id, token_ids=r.pending_tokens, text=r.pending_text,
                                 timestamps=r.pending_times, finished=r.finished,
                                 finish_reason=r.finish_reason, prompt_token_ids=r.prompt_token_ids,
-                                error=r.error))
-      r.pending_tokens, r.pending_times, r.pending_text = [], [], ""
+                                error=r.error, state_changes=r.pending_states))
+      r.pending_tokens, r.pending_times, r.pending_text, r.pending_states = [], [], "", []
       if r.finished:
         r.reported_final = True
     return outs
@@ -588,12 +652,12 @@ class LLMEngine:
       raise RuntimeError("precompile_steps() needs an idle engine (no request queued or running)")
     c = self.config
     num_tokens = c.token_bucket_floor
-    top = integ.bucket(c.max_num_batched_tokens)
+    top = bucket(c.scheduler.max_num_batched_tokens)
     while True:
       n = min(num_tokens, self.max_model_len, self.num_device_blocks * c.block_size)
       seqs = [([0] * n, 0, list(range(1, self.kv_spec.blocks_for_tokens(n) + 1)))]
-      batch, _ = integ.build_batch(seqs, c.block_size, c)
-      samp = sampling_lib.SamplingArrays.empty(integ.num_logit_rows(batch))
+      batch = self._build_batch(seqs)
+      samp = sampling_lib.SamplingArrays.empty(int(batch.logits_indices.shape[0]))
       packed, dims = packing.pack(batch, samp)
       tokens, self.kv_cache = _jit_step(self.params, self.kv_cache, jax.device_put(packed), dims=dims,
                                         **self._step_kwargs)
@@ -601,6 +665,15 @@ class LLMEngine:
       if num_tokens >= top:
         return self.num_compiled_shapes()
       num_tokens *= 2
+
+  def _build_batch(self, seqs):
+    """Numpy ``BatchInputs`` for ``seqs`` = [(new token ids, num computed, block table)], padded to the
+    configured bucket floors; logits row i holds sequence i's last token."""
+    c = self.config
+    batch, _ = build_batch(seqs, c.block_size, logits="last", token_floor=c.token_bucket_floor,
+                           seq_floor=c.seq_bucket_floor, blocks_floor=c.blocks_bucket_floor,
+                           rows_floor=c.seq_bucket_floor)
+    return batch
 
   def precompile_rotation(self) -> None:
     """Compiles every rotation gather/scatter bucket now, so none compiles inside a timed run (the jit

@@ -19,6 +19,7 @@ whole random path is skipped when every row is greedy, so a greedy batch costs o
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -93,3 +94,8 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
 
 
 sample_jit = jax.jit(sample)
+
+
+def derive_seed(engine_seed: int, request_id: str) -> int:
+  """A 32-bit seed for a request that gave none: a stable hash of (engine seed, request id)."""
+  return zlib.crc32(f"{engine_seed}:{request_id}".encode()) & 0xFFFFFFFF

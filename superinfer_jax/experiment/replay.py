@@ -4,8 +4,8 @@ The driver plays the client: request i is submitted at ``t0 + arrival_s[i]`` on 
 that scheduled time as its arrival (so queueing before submission counts against TTFT, as with a real
 client), ``ignore_eos=True``, greedy, and ``max_tokens`` = the workload's output length (the paper's
 benchmark setting, PAPER.md §5). Between steps it records every output token's timestamp (as the engine
-stamped it) and every scheduler state change (waiting / running / swapped = rotary / preempted /
-finished) into a ``TimelineRecorder``. When nothing is live it sleeps until the next arrival.
+stamped it) and every state change the engine reports in its outputs (running / rotary / preempted, at
+the time of the plan that made it; waiting at arrival; finished) into a ``TimelineRecorder``. When nothing is live it sleeps until the next arrival.
 """
 from __future__ import annotations
 
@@ -13,11 +13,7 @@ import dataclasses
 import time
 from typing import Any, Optional, Sequence
 
-from superinfer_jax.metrics.timeline import (PREEMPTED, RUNNING, SWAPPED, WAITING, RequestTimeline,
-                                             TimelineRecorder)
-
-# Scheduler RequestState values -> timeline states (metrics.timeline's vocabulary).
-_STATE_NAMES = {"waiting": WAITING, "running": RUNNING, "rotary": SWAPPED, "preempted": PREEMPTED}
+from superinfer_jax.metrics.timeline import RequestTimeline, TimelineRecorder
 
 
 @dataclasses.dataclass
@@ -107,6 +103,8 @@ def replay_workload(engine, requests: Sequence[Any], *, desc: str = "replay", pr
     outputs = engine.step()
     now = clock.now()
     for o in outputs:
+      for t, state in o.state_changes:
+        recorder.state(o.request_id, t, state)
       if o.timestamps:
         for ts in o.timestamps:
           recorder.token(o.request_id, ts)
@@ -117,12 +115,6 @@ def replay_workload(engine, requests: Sequence[Any], *, desc: str = "replay", pr
         live.discard(o.request_id)
         if bar is not None:
           bar.update(1)
-    for rid in live:
-      r = engine.scheduler.get(rid)
-      if r is not None:
-        name = _STATE_NAMES.get(getattr(r.state, "value", str(r.state)))
-        if name is not None:
-          recorder.state(rid, now, name)
   if timed_out:
     for rid in list(live):
       engine.abort(rid)

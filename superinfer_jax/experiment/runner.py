@@ -96,11 +96,10 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
     raise ValueError("no policies given")
   if not spec.rps or any(not (r > 0) for r in spec.rps):
     raise ValueError(f"rps values must be > 0 (inf allowed), got {list(spec.rps)}")
-  engine_config.validate()
   _fresh_output_dir(spec.output_dir)
   if model_tuple is None:
     from superinfer_jax.model import load_model, load_tokenizer  # pylint: disable=import-outside-toplevel
-    cfg, params = load_model(spec.model, dtype=engine_config.dtype)
+    cfg, params = load_model(spec.model, dtype=engine_config.model.dtype)
     try:
       tokenizer = load_tokenizer(spec.model)
     except FileNotFoundError:
@@ -109,14 +108,14 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
       tokenizer = None  # synthetic prompts are token ids; outputs then carry no text
     model_tuple = (cfg, params, tokenizer)
   cfg, _, tokenizer = model_tuple
-  max_len = min(engine_config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+  max_len = min(engine_config.model.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
   # A request must fit the device pool on its own (the engine refuses it otherwise).
   max_len = min(max_len, engine_config.num_device_blocks * engine_config.block_size
                 if engine_config.num_device_blocks else max_len)
   hardware = spec.hardware or _hardware_label()
   results_path = os.path.join(spec.output_dir, "results.jsonl")
   with open(os.path.join(spec.output_dir, "config.json"), "w") as f:
-    json.dump({"sweep": dataclasses.asdict(spec), "engine": dataclasses.asdict(engine_config),
+    json.dump({"sweep": dataclasses.asdict(spec), "engine": engine_config.as_flat_dict(),
                "model_config": getattr(cfg, "__dict__", str(cfg)) if not dataclasses.is_dataclass(cfg)
                else dataclasses.asdict(cfg), "hardware": hardware}, f, indent=2, default=str)
 
@@ -130,23 +129,23 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
 
   workloads = {rps: workload_at(rps) for rps in spec.rps}
   if spec.warmup:
-    n = _warm_up(model_tuple, dataclasses.replace(engine_config, policy=spec.policies[0]),
+    n = _warm_up(model_tuple, engine_config.replace(policy=spec.policies[0]),
                  workloads[spec.rps[0]], spec.progress)
-    engine_config = dataclasses.replace(engine_config, num_device_blocks=n)
+    engine_config = engine_config.replace(num_device_blocks=n)
     gc.collect()
   rows = []
   for rps in spec.rps:
     for policy in spec.policies:
-      engine = LLMEngine(model_tuple, dataclasses.replace(engine_config, policy=policy))
+      engine = LLMEngine(model_tuple, engine_config.replace(policy=policy))
       # A pool sized from free device memory is pinned after the first engine: later engines must not
       # size theirs from what an earlier engine's cache left free (every policy gets the same pool).
-      engine_config = dataclasses.replace(engine_config, num_device_blocks=engine.num_device_blocks)
+      engine_config = engine_config.replace(num_device_blocks=engine.num_device_blocks)
       res = replay_workload(engine, workloads[rps], desc=f"{policy} @ {rps:g} rps", progress=spec.progress,
                             time_limit_s=spec.time_limit_s)
       st = res.engine_stats
       row = results_row(
           res.timelines, engine="real", model=_model_label(spec.model), hardware=hardware, policy=policy,
-          rps=rps, ttft_slo_s=engine_config.ttft_slo, tbt_slo_s=engine_config.tbt_slo,
+          rps=rps, ttft_slo_s=engine_config.scheduler.ttft_slo, tbt_slo_s=engine_config.scheduler.tbt_slo,
           num_rotations=st["rotations_out"], swap_out_bytes=st["bytes_out"], swap_in_bytes=st["bytes_in"],
           num_recompute_preemptions=st["recompute_preemptions"], duration_s=res.duration_s,
           extra={"num_device_blocks": engine.num_device_blocks, "num_host_blocks": engine.num_host_blocks,
@@ -156,8 +155,8 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
                  "host_time_share": st["host_time_share"], "step_compilations_during_run": res.compilations[0],
                  "rotation_compilations_during_run": res.compilations[1],
                  "num_rejected": len(res.rejected), "timed_out": res.timed_out,
-                 "pipeline": engine_config.pipeline, "attention": engine_config.attention,
-                 "dtype": engine_config.dtype})
+                 "pipeline": engine_config.pipeline, "attention": engine_config.model.attention,
+                 "dtype": engine_config.model.dtype})
       append_results_row(results_path, row)
       write_timelines(os.path.join(spec.output_dir, requests_filename(policy, rps)), res.timelines)
       rows.append(row)

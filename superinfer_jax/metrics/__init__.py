@@ -14,7 +14,7 @@ from superinfer_jax.metrics.results import (ENGINES, RESULTS_KEYS, RESULTS_SCHEM
                                             format_comparison_table, print_comparison_table,
                                             read_jsonl, read_results, results_row,
                                             validate_results_row, write_jsonl)
-from superinfer_jax.metrics.timeline import (FINISHED, PREEMPTED, RUNNING, STATES, SWAPPED, WAITING,
+from superinfer_jax.metrics.timeline import (FINISHED, PREEMPTED, RUNNING, STATES, ROTARY, WAITING,
                                              RequestTimeline, TimelineRecorder, format_rps,
                                              parse_requests_filename, read_timelines,
                                              requests_filename, write_timelines)
@@ -23,6 +23,6 @@ __all__ = [
     "compute_metrics", "latency_samples", "request_meets_slo", "summarize", "ENGINES", "RESULTS_KEYS",
     "RESULTS_SCHEMA", "append_results_row", "format_comparison_table", "print_comparison_table",
     "read_jsonl", "read_results", "results_row", "validate_results_row", "write_jsonl", "FINISHED",
-    "PREEMPTED", "RUNNING", "STATES", "SWAPPED", "WAITING", "RequestTimeline", "TimelineRecorder",
+    "PREEMPTED", "RUNNING", "STATES", "ROTARY", "WAITING", "RequestTimeline", "TimelineRecorder",
     "format_rps", "parse_requests_filename", "read_timelines", "requests_filename", "write_timelines",
 ]

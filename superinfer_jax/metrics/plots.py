@@ -7,7 +7,7 @@ A results directory holds ``results.jsonl`` (rows of ``results.py``) and, option
   * ``p99_latency_vs_rps.png``     P99 TTFT and P99 TBT (s, log scale) vs RPS, one line per policy;
   * ``latency_cdf-rps<rps>.png``   TTFT and TBT CDFs per policy at each RPS with per-request files;
   * ``timeline-<policy>-<rps>.png`` per-request timelines: one row per request, coloured by state
-    (waiting / running / swapped = rotated out / preempted), a tick per output token, a marker per
+    (waiting / running / rotary / preempted), a tick per output token, a marker per
     rotation. Shows at most ``max_timeline_requests`` requests (those with the most rotations first, then
     by arrival).
 
@@ -23,10 +23,10 @@ import numpy as np
 
 from superinfer_jax.metrics.latency import latency_samples
 from superinfer_jax.metrics.results import read_results
-from superinfer_jax.metrics.timeline import (PREEMPTED, RUNNING, SWAPPED, WAITING, RequestTimeline,
+from superinfer_jax.metrics.timeline import (PREEMPTED, RUNNING, ROTARY, WAITING, RequestTimeline,
                                              format_rps, parse_requests_filename, read_timelines)
 
-STATE_COLORS = {WAITING: "#c7c7c7", RUNNING: "#4c72b0", SWAPPED: "#dd8452", PREEMPTED: "#c44e52"}
+STATE_COLORS = {WAITING: "#c7c7c7", RUNNING: "#4c72b0", ROTARY: "#dd8452", PREEMPTED: "#c44e52"}
 _OTHER_COLOR = "#8c8c8c"
 
 
@@ -154,7 +154,7 @@ def plot_request_timeline(timelines: Sequence[RequestTimeline], out_path: str, *
     if tl.token_times_s:
       tt = np.asarray(tl.token_times_s) - t0
       ax.vlines(tt, y - 0.3, y + 0.3, color="k", lw=0.4)
-    rot = [t - t0 for t, s in tl.state_changes if s == SWAPPED]
+    rot = [t - t0 for t, s in tl.state_changes if s == ROTARY]
     if rot:
       ax.plot(rot, [y] * len(rot), "v", color="#dd8452", mec="k", ms=6)
   ax.set_yticks(range(len(chosen)))

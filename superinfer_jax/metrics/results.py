@@ -96,7 +96,7 @@ def results_row(timelines: Sequence[RequestTimeline], *, engine: str, model: str
     rps: the offered load (requests/s).
     ttft_slo_s, tbt_slo_s: SLOs (s).
     num_rotations, num_recompute_preemptions: counters from the engine; None -> counted from the
-      timelines' state changes (changes into "swapped" / "preempted").
+      timelines' state changes (changes into "rotary" / "preempted").
     swap_out_bytes, swap_in_bytes: bytes moved device->host / host->device by rotations.
     duration_s: the run's length (s) for throughputs; None -> see ``compute_metrics``.
     extra: more keys (e.g. swap_out_blocks, seed, dataset); they may not override required keys.

@@ -26,8 +26,8 @@ clock — only differences are used):
 Any other keys are kept in ``RequestTimeline.extra`` and written back unchanged.
 
 States (``state_changes``): ``waiting`` (queued, no KV), ``running`` (KV on device, in the batch),
-``swapped`` (KV rotated out to host memory — a *rotation*), ``preempted`` (KV dropped, will recompute),
-``finished``. Other names are allowed (plots colour them grey). A rotation is a change INTO ``swapped``.
+``rotary`` (KV parked in host memory — entering it is a *rotation*; the paper's name), ``preempted`` (KV dropped, will recompute),
+``finished``. Other names are allowed (plots colour them grey). A rotation is a change INTO ``rotary``.
 
 Finished means ``finish_reason`` in {"length", "stop"} (not null, not "abort").
 """
@@ -43,10 +43,10 @@ import numpy as np
 
 WAITING = "waiting"
 RUNNING = "running"
-SWAPPED = "swapped"
+ROTARY = "rotary"
 PREEMPTED = "preempted"
 FINISHED = "finished"
-STATES = (WAITING, RUNNING, SWAPPED, PREEMPTED, FINISHED)
+STATES = (WAITING, RUNNING, ROTARY, PREEMPTED, FINISHED)
 FINISH_OK = ("length", "stop")
 
 _REQUIRED = ("request_id", "arrival_s", "prompt_len", "output_len", "token_times_s", "state_changes",
@@ -96,8 +96,8 @@ class RequestTimeline:
 
   @property
   def num_rotations(self) -> int:
-    """State changes into ``swapped`` (rotations out to host memory)."""
-    return sum(1 for _, s in self.state_changes if s == SWAPPED)
+    """State changes into ``rotary`` (rotations out to host memory)."""
+    return sum(1 for _, s in self.state_changes if s == ROTARY)
 
   @property
   def num_preemptions(self) -> int:

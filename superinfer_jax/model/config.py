@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 from superinfer_jax.kv import layout
 
+DTYPE_NAMES = ("float32", "bfloat16")  # weights / KV / activations (model.params.DTYPES maps them)
 SUPPORTED_FAMILIES = ("llama", "qwen2")
 KNOWN_FAMILIES = SUPPORTED_FAMILIES + ("mixtral",)
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),

@@ -29,9 +29,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from superinfer_jax.model.config import ModelConfig
+from superinfer_jax.model.config import DTYPE_NAMES, ModelConfig
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+assert tuple(DTYPES) == DTYPE_NAMES
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 

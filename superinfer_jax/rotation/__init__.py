@@ -1,6 +1,20 @@
-"""DuplexKV rotation engine: pinned-host KV block pool, batched full-duplex transfers (PAPER.md §4)."""
-from superinfer_jax.rotation.duplexkv import (DUPLEX, MERGED, MODES, NAIVE, DuplexKV, TransferStats,
-                                              bucket_size, read_device_block)
+"""DuplexKV rotation engine: pinned-host KV block pool, batched full-duplex transfers (docs/paper.md §4).
 
-__all__ = ["DUPLEX", "MERGED", "MODES", "NAIVE", "DuplexKV", "TransferStats", "bucket_size",
+``RotationConfig`` and the mode names import without JAX; ``DuplexKV`` and the rest load JAX on first use.
+"""
+from superinfer_jax.rotation.config import DUPLEX, MERGED, MODES, NAIVE, RotationConfig
+
+_LAZY = {"DuplexKV": "duplexkv", "TransferStats": "duplexkv", "bucket_size": "duplexkv",
+         "read_device_block": "duplexkv"}
+
+
+def __getattr__(name):
+  mod = _LAZY.get(name)
+  if mod is None:
+    raise AttributeError(f"module 'superinfer_jax.rotation' has no attribute {name!r}")
+  import importlib  # pylint: disable=import-outside-toplevel
+  return getattr(importlib.import_module(f"superinfer_jax.rotation.{mod}"), name)
+
+
+__all__ = ["DUPLEX", "MERGED", "MODES", "NAIVE", "DuplexKV", "RotationConfig", "TransferStats", "bucket_size",
            "read_device_block"]

@@ -55,12 +55,9 @@ import numpy as np
 from superinfer_jax.kv.layout import PADDING_BLOCK, KVCacheSpec
 from superinfer_jax.kv.pairs import PairList, columns
 from superinfer_jax.rotation import kernels
+from superinfer_jax.rotation.config import DUPLEX, MERGED, MODES, NAIVE  # noqa: F401 (re-exported)
 from superinfer_jax.util import next_power_of_2
 
-DUPLEX = "duplex"
-MERGED = "merged"
-NAIVE = "naive"
-MODES = (NAIVE, MERGED, DUPLEX)
 
 Pair = tuple[int, int]
 

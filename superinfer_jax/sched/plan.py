@@ -95,6 +95,12 @@ class StepPlan:
     return len(self.preempted)
 
   @property
+  def has_work(self) -> bool:
+    """True when the step computes, copies or changes any request's state."""
+    return bool(self.scheduled or self.swap_out or self.swap_in or self.writeback or self.rotated_out
+                or self.rotated_in or self.preempted)
+
+  @property
   def is_empty(self) -> bool:
     return not (self.scheduled or self.swap_out or self.swap_in or self.writeback)
 

@@ -1,0 +1,41 @@
+"""``SchedulerProtocol``: the seam the engine and the simulator drive a scheduler through (no JAX).
+
+``sched.Scheduler`` implements it; a drop-in scheduler needs only these members. Neither driver reaches
+into a scheduler's internals: request state changes travel in the ``StepPlan`` (``admitted``,
+``rotated_out``, ``rotated_in``, ``preempted``, ``round_trips``), finished requests come back from
+``on_step_done``.
+"""
+from __future__ import annotations
+
+from typing import Hashable, Optional, Protocol, runtime_checkable
+
+from superinfer_jax.sched.plan import StepPlan
+from superinfer_jax.sched.request import Request
+
+
+@runtime_checkable
+class SchedulerProtocol(Protocol):
+  """What a driver (``engine.LLMEngine``, the simulator) calls, in this order per step:
+
+  ``schedule(lookahead)`` -> issue the plan's copies -> dispatch its step -> ``on_step_done(plan, ...)``
+  (under lookahead the next ``schedule(True)`` comes before the previous plan's ``on_step_done``).
+  """
+
+  def add_request(self, req: Request) -> None:
+    """Queue a fresh request; ``ValueError`` if its id is live or it can never fit the device pool."""
+
+  def abort(self, req_id: Hashable) -> bool:
+    """End a live request and release its blocks; False if the id is unknown."""
+
+  def schedule(self, lookahead: bool = False) -> StepPlan:
+    """Plan the next step at the clock's time."""
+
+  def on_step_done(self, plan: StepPlan, new_tokens: Optional[dict] = None, finished: Optional[dict] = None,
+                   now: Optional[float] = None) -> list:
+    """The step of ``plan`` finished; returns the ids of requests that finished with it."""
+
+  def pop_finished(self) -> list[Request]:
+    """Terminal requests since the last call (drivers call it so nothing is hoarded)."""
+
+  def has_unfinished(self) -> bool:
+    """True while any request is waiting, running or rotary."""
