@@ -79,7 +79,7 @@ def leaves(cls, prefix: tuple[str, ...] = ()) -> Iterator[Leaf]:
       yield Leaf(prefix + (f.name,), f, tp)
 
 
-def _base_type(tp) -> tuple[type, bool]:
+def base_type(tp) -> tuple[type, bool]:
   """(int|float|bool|str, optional?) of an annotation like ``Optional[int]`` or ``int | None``."""
   args = typing.get_args(tp)
   if args and type(None) in args:
@@ -152,7 +152,7 @@ def define_flags(cls, flag_values=None) -> None:
     if name in fv:
       continue
     f = leaf.field
-    base, optional = _base_type(leaf.type)
+    base, optional = base_type(leaf.type)
     default = f.default
     if default is None:
       default = f.metadata.get("none_as")
@@ -182,7 +182,7 @@ def from_flags(cls, flag_values=None):
   flat = {}
   for name, leaf in flat_index(cls).items():
     v = getattr(fv, leaf.flag_name)
-    _, optional = _base_type(leaf.type)
+    _, optional = base_type(leaf.type)
     if optional and "none_as" in leaf.field.metadata and v == leaf.field.metadata["none_as"]:
       v = None
     flat[name] = v

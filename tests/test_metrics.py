@@ -164,6 +164,34 @@ def test_timeline_jsonl_roundtrip(tmp_path):
   assert M.parse_requests_filename("results.jsonl") is None
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "rotasched_code", "fcfs-x", "a-1", "p-rep1"])
+@pytest.mark.parametrize("rps", [1.0, 2.5, 40.0, math.inf, 1e-5, 1e6])
+@pytest.mark.parametrize("repeat", [None, 0, 3, 12])
+def test_requests_filename_roundtrip_with_repeats(policy, rps, repeat):
+  from superinfer_jax.metrics.timeline import parse_requests_filename_full
+  name = M.requests_filename(policy, rps, repeat)
+  if repeat is None:
+    assert name == M.requests_filename(policy, rps) == f"requests-{policy}-{M.format_rps(rps)}.jsonl"
+  else:
+    assert name == f"requests-{policy}-{M.format_rps(rps)}-rep{repeat}.jsonl"
+  assert parse_requests_filename_full("/some/dir/" + name) == (policy, rps, repeat)
+  assert M.parse_requests_filename(name) == (policy, rps)
+
+
+def test_requests_filename_repeat_edge_cases():
+  from superinfer_jax.metrics.timeline import parse_requests_filename_full
+  assert M.requests_filename("rotasched_code", 2, 1) == "requests-rotasched_code-2-rep1.jsonl"
+  assert parse_requests_filename_full("requests-fcfs-x-2-rep1.jsonl") == ("fcfs-x", 2.0, 1)
+  assert parse_requests_filename_full("requests-fcfs-x-2.jsonl") == ("fcfs-x", 2.0, None)
+  for bad in ("results.jsonl", "requests-fcfs-rep1.jsonl", "requests-2.jsonl", "requests-fcfs-2.json",
+              "requests-fcfs-two.jsonl", "requests-fcfs-2-rep.jsonl"):
+    assert parse_requests_filename_full(bad) is None, bad
+    assert M.parse_requests_filename(bad) is None, bad
+  for bad in (-1, 1.5, True, "1"):
+    with pytest.raises(ValueError, match="repeat"):
+      M.requests_filename("fcfs", 2, bad)
+
+
 def test_timeline_validate():
   bad = RequestTimeline("z", 1.0, 3, 2, [0.5, 1.5], [], "length")  # token before arrival
   with pytest.raises(ValueError, match="before arrival"):

@@ -105,6 +105,8 @@ class EngineStats:
   round_trips: int = 0           # rotated out and back in within one step (rotasched_code)
   recompute_preemptions: int = 0
   contended_steps: int = 0       # steps planned under memory contention (rotation considered)
+  residency_steps: int = 0       # sum over rotations out of the steps the request had been resident
+  residencies: int = 0           # ... and how many such residencies ended in a rotation out
   rescheduled_drops: int = 0     # lookahead slots dropped because the request finished
   step_time_s: float = 0.0       # wall time spent inside step()
   host_time_s: float = 0.0       # ... of which not blocked waiting for sampled tokens
@@ -120,6 +122,16 @@ class EngineStats:
   exposed_host_time_s: float = 0.0
 
   @property
+  def rotations_per_step(self) -> float:
+    """Rotations out per planned step."""
+    return self.rotations_out / self.steps if self.steps else 0.0
+
+  @property
+  def mean_residency_steps(self) -> Optional[float]:
+    """Mean steps a request stayed RUNNING before it was rotated out (None: no rotation)."""
+    return self.residency_steps / self.residencies if self.residencies else None
+
+  @property
   def host_time_share(self) -> float:
     """Share of step() wall time the host spends working (not blocked on the device)."""
     return self.host_time_s / self.step_time_s if self.step_time_s > 0 else 0.0
@@ -132,6 +144,8 @@ class EngineStats:
   def as_dict(self) -> dict:
     d = dataclasses.asdict(self)
     d["host_time_share"] = self.host_time_share
+    d["rotations_per_step"] = self.rotations_per_step
+    d["mean_residency_steps"] = self.mean_residency_steps
     d["exposed_host_share"] = self.exposed_host_share
     return d
 
@@ -156,6 +170,7 @@ class _Req:
   pending_times: list[float] = dataclasses.field(default_factory=list)
   pending_text: str = ""
   pending_states: list[tuple[float, str]] = dataclasses.field(default_factory=list)
+  running_since_step: Optional[int] = None   # plan step it last entered RUNNING (residency)
   reported_final: bool = False
 
   @property
@@ -456,13 +471,21 @@ class LLMEngine:
     """Queues each request's state changes of ``plan`` for its next output (in the order they happened:
     proactive and reactive rotations out / recompute preemptions, then rotations in and admissions)."""
     t = plan.time
+    k = plan.step_id
+    st = self.stats
     for ids, state in ((plan.rotated_out, "rotary"), (plan.preempted, "preempted"),
                        (plan.rotated_in, "running"), (plan.admitted, "running")):
       for rid in ids:
         r = self._reqs.get(rid)
-        if r is not None and not r.finished:
-          r.pending_states.append((t, state))
-          self._pending_out[rid] = None
+        if r is None or r.finished:
+          continue
+        r.pending_states.append((t, state))
+        self._pending_out[rid] = None
+        if state == "running":
+          r.running_since_step = k
+        elif state == "rotary" and r.running_since_step is not None:
+          st.residency_steps += k - r.running_since_step  # steps resident before this rotation out
+          st.residencies += 1
 
   def _issue(self, plan) -> None:
     swap_out, writeback, swap_in = plan.swap_out, plan.writeback, plan.swap_in  # PairLists, column-wise

@@ -10,6 +10,7 @@ the time of the plan that made it; waiting at arrival; finished) into a ``Timeli
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Optional, Sequence
 
@@ -25,6 +26,9 @@ class ReplayResult:
   rejected: list[tuple[str, str]]        # (request id, error) refused at add_request
   compilations: tuple                    # (model-step, rotation) compilations during the replay (None: unknown)
   timed_out: bool = False
+  step_times_s: list[float] = dataclasses.field(default_factory=list)  # wall time of every engine.step()
+  loadavg_1m: tuple = (None, None)       # the machine's 1-minute load average at the start and the end
+  cpu_s: float = 0.0                     # this process's CPU time during the replay (all threads)
 
 
 def _progress_bar(total: int, desc: str, enabled: bool):
@@ -43,6 +47,14 @@ def _compilations(engine) -> tuple[Optional[int], Optional[int]]:
   from superinfer_jax.rotation import kernels  # pylint: disable=import-outside-toplevel
   step = engine.num_compiled_shapes()
   return (step if step >= 0 else None), kernels.compiled_variants()
+
+
+def _loadavg() -> Optional[float]:
+  """The 1-minute load average (None where the OS has none)."""
+  try:
+    return os.getloadavg()[0]
+  except (AttributeError, OSError):
+    return None
 
 
 def _diff(after: Optional[int], before: Optional[int]) -> Optional[int]:
@@ -69,6 +81,9 @@ def replay_workload(engine, requests: Sequence[Any], *, desc: str = "replay", pr
   live: set[str] = set()
   compiled_before = _compilations(engine)
   bar = _progress_bar(len(pending), desc, progress)
+  load_start = _loadavg()
+  cpu0 = time.process_time()
+  step_times: list[float] = []
   t0 = clock.now()
   nxt = 0
   timed_out = False
@@ -100,7 +115,9 @@ def replay_workload(engine, requests: Sequence[Any], *, desc: str = "replay", pr
       if nxt < len(pending):
         time.sleep(min(idle_sleep_max_s, max(0.0, t0 + pending[nxt].arrival_s - clock.now())))
       continue
+    ts = time.perf_counter()
     outputs = engine.step()
+    step_times.append(time.perf_counter() - ts)
     now = clock.now()
     for o in outputs:
       for t, state in o.state_changes:
@@ -125,4 +142,5 @@ def replay_workload(engine, requests: Sequence[Any], *, desc: str = "replay", pr
   return ReplayResult(timelines=recorder.timelines(), duration_s=max(last_token_t - t0, 1e-9),
                       engine_stats=engine.stats.as_dict(), rejected=rejected,
                       compilations=tuple(_diff(a, b) for a, b in zip(_compilations(engine), compiled_before)),
-                      timed_out=timed_out)
+                      timed_out=timed_out, step_times_s=step_times, loadavg_1m=(load_start, _loadavg()),
+                      cpu_s=time.process_time() - cpu0)

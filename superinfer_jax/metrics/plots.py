@@ -1,21 +1,41 @@
 """PNG figures from a results directory (matplotlib, Agg backend; imported lazily).
 
 A results directory holds ``results.jsonl`` (rows of ``results.py``) and, optionally, per-request files
-``requests-<policy>-<rps>.jsonl`` (``timeline.py``). ``plot_results_dir`` writes:
+``requests-<policy>-<rps>.jsonl`` or, for repeated runs, ``requests-<policy>-<rps>-rep<k>.jsonl``
+(``timeline.py``). A (policy, rps) may have several REPEATS: rows with ``repeat`` (0-based; missing ->
+0), ``run_index`` (execution order), ``perturbed`` (bool, missing -> False: the run's step times drifted
+from the warm-up's), ``step_time_drift``, ``rotations_per_step`` and ``mean_residency_steps``.
+``plot_results_dir`` writes:
 
+  With rows at >= 2 distinct RPS values (one point per policy and RPS = the MEAN over its repeats,
+  min-max error bars where there are several):
   * ``slo_attainment_vs_rps.png``  SLO / TTFT / TBT attainment (%) vs RPS, one line per policy;
-  * ``p99_latency_vs_rps.png``     P99 TTFT and P99 TBT (s, log scale) vs RPS, one line per policy;
-  * ``latency_cdf-rps<rps>.png``   TTFT and TBT CDFs per policy at each RPS with per-request files;
-  * ``timeline-<policy>-<rps>.png`` per-request timelines: one row per request, coloured by state
-    (waiting / running / rotary / preempted), a tick per output token, a marker per
-    rotation. Shows at most ``max_timeline_requests`` requests (those with the most rotations first, then
-    by arrival).
+  * ``p99_latency_vs_rps.png``     P99 TTFT and P99 TBT (s, log scale) vs RPS, one line per policy.
 
-Rows with several entries for the same (policy, rps) use the last one.
+  With rows at a SINGLE RPS value (lines vs RPS would be lone points) — grouped bars, one group per
+  policy, one bar per repeat in run order (hatched: ``perturbed``; small "#i" = ``run_index``), a black
+  diamond for the mean over the repeats:
+  * ``attainment_bars.png``  SLO / TTFT / TBT attainment (%);
+  * ``latency_bars.png``     P50 and P99 of TTFT and of TBT (s, from the rows' ``ttft_p50_s``,
+    ``ttft_p99_s``, ``tbt_p50_s``, ``tbt_p99_s``; log scale when they span > 20x), SLOs dashed;
+  * ``rotation_bars.png``    rotations per step and mean residency (steps) — only if some row has
+    ``rotations_per_step`` or ``mean_residency_steps`` (older rows lack them).
+
+  From per-request files (any number of RPS values):
+  * ``latency_cdf-rps<rps>.png``   TTFT and TBT CDFs per policy at each RPS; a policy's repeats are
+    pooled into one curve, labelled "(n=<repeats>)" when there are several;
+  * ``timeline-<policy>-<rps>.png`` per-request timeline of the lowest repeat of each (policy, rps)
+    (repeat 0 or the only file; named ``timeline-<policy>-<rps>-rep<k>.png`` only if that lowest repeat
+    is k > 0): one row per request, coloured by state (waiting / running / rotary / preempted), a tick
+    per output token, a marker per rotation. Shows at most ``max_timeline_requests`` requests (those
+    with the most rotations first, then by arrival). Later repeats are not drawn (runtime).
+
+Rows with the same (policy, rps, repeat) — a rerun appended to the same file — use the last one.
 """
 from __future__ import annotations
 
 import glob
+import math
 import os
 from typing import Any, Sequence
 
@@ -24,10 +44,13 @@ import numpy as np
 from superinfer_jax.metrics.latency import latency_samples
 from superinfer_jax.metrics.results import read_results
 from superinfer_jax.metrics.timeline import (PREEMPTED, RUNNING, ROTARY, WAITING, RequestTimeline,
-                                             format_rps, parse_requests_filename, read_timelines)
+                                             format_rps, parse_requests_filename_full, read_timelines)
 
 STATE_COLORS = {WAITING: "#c7c7c7", RUNNING: "#4c72b0", ROTARY: "#dd8452", PREEMPTED: "#c44e52"}
 _OTHER_COLOR = "#8c8c8c"
+_ATTAINMENT = (("slo_attainment", "SLO attainment (TTFT & TPOT)"), ("ttft_attainment", "TTFT attainment"),
+               ("tbt_attainment", "TBT attainment"))
+_PERTURBED_HATCH = "///"
 
 
 def _plt():
@@ -37,44 +60,114 @@ def _plt():
   return plt
 
 
-def _by_policy(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-  latest: dict[tuple[str, float], dict[str, Any]] = {}
+def row_repeat(row: dict[str, Any]) -> int:
+  """The row's 0-based ``repeat`` (rows of older runs lack it: 0)."""
+  r = row.get("repeat")
+  return 0 if r is None else int(r)
+
+
+def _num_value(v) -> float | None:
+  if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+    return None
+  v = float(v)
+  return v if math.isfinite(v) else None
+
+
+def group_repeats(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, float], list[dict[str, Any]]]:
+  """{(policy, rps): rows} with the repeats of each (policy, rps) sorted by (run_index, repeat).
+
+  A later row with the same (policy, rps, repeat) replaces an earlier one (a rerun). Keys are sorted by
+  (policy, rps).
+  """
+  latest: dict[tuple[str, float, int], dict[str, Any]] = {}
   for r in rows:
-    latest[(r["policy"], float(r["rps"]))] = r
-  out: dict[str, list[dict[str, Any]]] = {}
-  for (policy, _), r in sorted(latest.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-    out.setdefault(policy, []).append(r)
+    latest[(r["policy"], float(r["rps"]), row_repeat(r))] = r
+  out: dict[tuple[str, float], list[dict[str, Any]]] = {}
+  for (policy, rps, _), r in sorted(latest.items()):
+    out.setdefault((policy, rps), []).append(r)
+  for rs in out.values():
+    rs.sort(key=lambda r: (r.get("run_index") is None, r.get("run_index") or 0, row_repeat(r)))
   return out
 
 
+def aggregate_repeats(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+  """Per policy (sorted), one aggregate per rps (ascending) over that (policy, rps)'s repeats.
+
+  Each aggregate: ``policy``, ``rps``, ``rows`` (the repeats, as ``group_repeats``), ``num_repeats``,
+  ``num_perturbed`` and ``mean`` / ``min`` / ``max``: {key: float} over the repeats' finite numeric
+  (non-bool) values of every key; a repeat whose value is None/missing is left out of that key, and a
+  key without any value is absent (so ``agg["mean"].get(key)`` is None).
+  """
+  out: dict[str, list[dict[str, Any]]] = {}
+  for (policy, rps), rs in group_repeats(rows).items():
+    mean, lo, hi = {}, {}, {}
+    for key in dict.fromkeys(k for r in rs for k in r):
+      vals = [v for v in (_num_value(r.get(key)) for r in rs) if v is not None]
+      if vals:
+        mean[key], lo[key], hi[key] = float(np.mean(vals)), min(vals), max(vals)
+    out.setdefault(policy, []).append({
+        "policy": policy, "rps": rps, "rows": rs, "num_repeats": len(rs),
+        "num_perturbed": sum(1 for r in rs if r.get("perturbed")), "mean": mean, "min": lo, "max": hi})
+  return out
+
+
+def _policy_colors(policies) -> dict[str, str]:
+  return {p: f"C{i % 10}" for i, p in enumerate(sorted(set(policies)))}
+
+
+def _line_with_range(ax, aggs: Sequence[dict[str, Any]], key: str, scale: float, label: str,
+                     color: str) -> None:
+  """Mean over repeats vs rps, with min-max error bars when some point has several repeats."""
+  pts = [(a["rps"], scale * a["mean"][key], scale * a["min"][key], scale * a["max"][key],
+          a["num_repeats"]) for a in aggs if key in a["mean"]]
+  if not pts:
+    return
+  x, y, lo, hi, n = (np.asarray(v, dtype=np.float64) for v in zip(*pts))
+  yerr = np.vstack([y - lo, hi - y]) if (n > 1).any() else None
+  ax.errorbar(x, y, yerr=yerr, marker="o", capsize=3 if yerr is not None else 0, label=label,
+              color=color)
+
+
+def _line_label(policy: str, aggs: Sequence[dict[str, Any]]) -> str:
+  n = max(a["num_repeats"] for a in aggs)
+  return f"{policy} (n={n})" if n > 1 else policy
+
+
+def _line_legend(ax, aggs: dict[str, list[dict[str, Any]]]) -> None:
+  several = any(a["num_repeats"] > 1 for ag in aggs.values() for a in ag)
+  ax.legend(fontsize=8, title="mean of n repeats, bars: min-max" if several else None,
+            title_fontsize=7)
+
+
 def plot_attainment_vs_rps(rows: Sequence[dict[str, Any]], out_path: str) -> str:
-  """SLO, TTFT and TBT attainment (%) vs RPS per policy -> ``out_path``."""
+  """SLO, TTFT and TBT attainment (%) vs RPS per policy (mean over repeats) -> ``out_path``."""
   plt = _plt()
+  aggs = aggregate_repeats(rows)
+  colors = _policy_colors(aggs)
   fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=True)
-  for ax, key, title in zip(axes, ("slo_attainment", "ttft_attainment", "tbt_attainment"),
-                            ("SLO attainment (TTFT & TPOT)", "TTFT attainment", "TBT attainment")):
-    for policy, rs in _by_policy(rows).items():
-      ax.plot([r["rps"] for r in rs], [100.0 * r[key] for r in rs], marker="o", label=policy)
+  for ax, (key, title) in zip(axes, _ATTAINMENT):
+    for policy, ag in aggs.items():
+      _line_with_range(ax, ag, key, 100.0, _line_label(policy, ag), colors[policy])
     ax.set_title(title)
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylim(-3, 103)
     ax.grid(alpha=0.3)
   axes[0].set_ylabel("attainment (%)")
-  axes[0].legend()
+  _line_legend(axes[0], aggs)
   _slo_note(fig, rows)
   return _save(fig, plt, out_path)
 
 
 def plot_p99_vs_rps(rows: Sequence[dict[str, Any]], out_path: str) -> str:
-  """P99 TTFT and P99 TBT (s) vs RPS per policy, with the SLOs dashed -> ``out_path``."""
+  """P99 TTFT and P99 TBT (s) vs RPS per policy (mean over repeats), SLOs dashed -> ``out_path``."""
   plt = _plt()
+  aggs = aggregate_repeats(rows)
+  colors = _policy_colors(aggs)
   fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
   for ax, key, slo_key, title in zip(axes, ("ttft_p99_s", "tbt_p99_s"), ("ttft_slo_s", "tbt_slo_s"),
                                      ("P99 TTFT", "P99 TBT")):
-    for policy, rs in _by_policy(rows).items():
-      pts = [(r["rps"], r[key]) for r in rs if r.get(key) is not None]
-      if pts:
-        ax.plot(*zip(*pts), marker="o", label=policy)
+    for policy, ag in aggs.items():
+      _line_with_range(ax, ag, key, 1.0, _line_label(policy, ag), colors[policy])
     slos = {r[slo_key] for r in rows if r.get(slo_key)}
     for slo in slos:
       ax.axhline(slo, color="k", ls="--", lw=0.8)
@@ -85,8 +178,134 @@ def plot_p99_vs_rps(rows: Sequence[dict[str, Any]], out_path: str) -> str:
       ax.set_yscale("log")
       _no_minor_labels(ax.yaxis)
     ax.grid(alpha=0.3, which="both")
-  axes[0].legend()
+  _line_legend(axes[0], aggs)
   return _save(fig, plt, out_path)
+
+
+def _single_load_groups(rows: Sequence[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+  """[(policy, repeats in run order)] sorted by policy (rows assumed to share one rps)."""
+  return [(policy, rs) for (policy, _), rs in group_repeats(rows).items()]
+
+
+def _grouped_bars(ax, groups: Sequence[tuple[str, Sequence[dict[str, Any]]]], key: str,
+                  colors: dict[str, str], *, scale: float = 1.0, fmt: str = "{:.3g}") -> list[float]:
+  """One group per policy, one bar per repeat (hatched if perturbed), a diamond at the mean.
+
+  Returns the plotted (scaled) values. A repeat without a value gets an "n/a" mark instead of a bar.
+  """
+  from matplotlib.transforms import blended_transform_factory
+  width = 0.8 / max([len(rs) for _, rs in groups] + [1])
+  base = blended_transform_factory(ax.transData, ax.transAxes)
+  plotted = []
+  for i, (policy, rs) in enumerate(groups):
+    xs = i + (np.arange(len(rs)) - (len(rs) - 1) / 2.0) * width
+    vals = []
+    for x, r in zip(xs, rs):
+      v = _num_value(r.get(key))
+      tag = f"#{r['run_index']}" if r.get("run_index") is not None else f"r{row_repeat(r)}"
+      if v is None:
+        ax.text(x, 0.02, f"{tag}\nn/a", transform=base, ha="center", va="bottom", fontsize=6)
+        continue
+      v *= scale
+      vals.append(v)
+      ax.bar(x, v, width * 0.9, color=colors[policy], edgecolor="k", lw=0.6,
+             hatch=_PERTURBED_HATCH if r.get("perturbed") else None, alpha=0.85)
+      ax.text(x, 0.01, tag, transform=base, ha="center", va="bottom", fontsize=6,
+              bbox=dict(fc="white", ec="none", pad=0.6, alpha=0.8))
+    if vals:
+      m = float(np.mean(vals))
+      ax.plot([i], [m], marker="D", color="k", ms=6, ls="none", zorder=4)
+      ax.annotate(fmt.format(m), (i + 0.4, m), xytext=(2, 0), textcoords="offset points", fontsize=7,
+                  va="center", ha="left")
+    plotted += vals
+  ax.set_xticks(range(len(groups)))
+  ax.set_xticklabels([f"{p}\n(n={len(rs)})" for p, rs in groups], fontsize=8)
+  ax.set_xlim(-0.6, len(groups) - 0.4 + 0.3)
+  ax.grid(alpha=0.3, axis="y")
+  return plotted
+
+
+def _bar_legend(fig, rows, extra_handles=()) -> None:
+  from matplotlib.lines import Line2D
+  from matplotlib.patches import Patch
+  handles = [Patch(facecolor="white", edgecolor="k", label="one bar per repeat (#i: run order)"),
+             Line2D([], [], marker="D", color="k", ls="none", label="mean over repeats")]
+  if any(r.get("perturbed") for r in rows):
+    handles.insert(1, Patch(facecolor="white", edgecolor="k", hatch=_PERTURBED_HATCH,
+                            label="perturbed (step-time drift)"))
+  handles += list(extra_handles)
+  fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+
+
+_BAR_RECT = (0, 0.07, 1, 0.98)
+
+
+def _load_title(rows) -> str:
+  rps = sorted({float(r["rps"]) for r in rows})
+  return f"at {format_rps(rps[0])} req/s" if len(rps) == 1 else ""
+
+
+def plot_attainment_bars(rows: Sequence[dict[str, Any]], out_path: str) -> str:
+  """SLO / TTFT / TBT attainment (%) per policy at one load, one bar per repeat -> ``out_path``."""
+  plt = _plt()
+  groups = _single_load_groups(rows)
+  colors = _policy_colors(p for p, _ in groups)
+  fig, axes = plt.subplots(1, 3, figsize=(max(10.0, 1.6 * 3 * len(groups) + 3), 4.2), sharey=True)
+  for ax, (key, title) in zip(axes, _ATTAINMENT):
+    _grouped_bars(ax, groups, key, colors, scale=100.0, fmt="{:.1f}")
+    ax.set_title(title, fontsize=10)
+    ax.set_ylim(0, 105)
+  axes[0].set_ylabel("attainment (%)")
+  _slo_note(fig, rows, prefix=_load_title(rows))
+  _bar_legend(fig, rows)
+  return _save(fig, plt, out_path, rect=_BAR_RECT)
+
+
+def plot_latency_bars(rows: Sequence[dict[str, Any]], out_path: str) -> str:
+  """P50 / P99 of TTFT and TBT (s) per policy at one load, one bar per repeat -> ``out_path``."""
+  plt = _plt()
+  from matplotlib.lines import Line2D
+  groups = _single_load_groups(rows)
+  colors = _policy_colors(p for p, _ in groups)
+  fig, axes = plt.subplots(1, 4, figsize=(max(13.0, 1.3 * 4 * len(groups) + 3), 4.2))
+  has_slo = False
+  for ax, key, slo_key, title in zip(
+      axes, ("ttft_p50_s", "ttft_p99_s", "tbt_p50_s", "tbt_p99_s"),
+      ("ttft_slo_s", "ttft_slo_s", "tbt_slo_s", "tbt_slo_s"),
+      ("P50 TTFT", "P99 TTFT", "P50 TBT", "P99 TBT")):
+    vals = _grouped_bars(ax, groups, key, colors)
+    slos = {r[slo_key] for r in rows if r.get(slo_key)}
+    for slo in slos:
+      ax.axhline(slo, color="k", ls="--", lw=0.8)
+      has_slo = True
+    pos = [v for v in vals + list(slos) if v > 0]
+    if pos and max(pos) / min(pos) > 20:
+      ax.set_yscale("log")
+      _no_minor_labels(ax.yaxis)
+    ax.set_title(title, fontsize=10)
+    ax.set_ylabel("seconds")
+  _slo_note(fig, rows, prefix=_load_title(rows))
+  _bar_legend(fig, rows, [Line2D([], [], color="k", ls="--", lw=0.8, label="SLO")] if has_slo else [])
+  return _save(fig, plt, out_path, rect=_BAR_RECT)
+
+
+def plot_rotation_bars(rows: Sequence[dict[str, Any]], out_path: str) -> str:
+  """Rotations per step and mean residency (steps) per policy at one load, per repeat -> ``out_path``."""
+  plt = _plt()
+  groups = _single_load_groups(rows)
+  colors = _policy_colors(p for p, _ in groups)
+  fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.4 * 2 * len(groups) + 3), 3.8))
+  for ax, key, title, ylabel in zip(
+      axes, ("rotations_per_step", "mean_residency_steps"),
+      ("rotations per step", "mean residency (steps)"), ("rotations / step", "steps")):
+    vals = _grouped_bars(ax, groups, key, colors)
+    ax.set_title(title, fontsize=10)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, 1.15 * max(vals + [1e-9]))
+  t = _load_title(rows)
+  fig.suptitle("rotation behaviour" + (f" {t}" if t else ""), fontsize=9)
+  _bar_legend(fig, rows)
+  return _save(fig, plt, out_path, rect=(0, 0.09, 1, 0.98))
 
 
 def _cdf(ax, x: np.ndarray, label: str):
@@ -97,14 +316,18 @@ def _cdf(ax, x: np.ndarray, label: str):
 
 def plot_latency_cdfs(timelines_by_policy: dict[str, Sequence[RequestTimeline]], out_path: str, *,
                       title: str = "", ttft_slo_s: float | None = None,
-                      tbt_slo_s: float | None = None) -> str:
-  """Empirical CDFs of TTFT and of pooled TBT gaps (s, log x) per policy -> ``out_path``."""
+                      tbt_slo_s: float | None = None, labels: dict[str, str] | None = None) -> str:
+  """Empirical CDFs of TTFT and of pooled TBT gaps (s, log x) per policy -> ``out_path``.
+
+  ``labels``: optional legend text per policy (default: the policy name).
+  """
   plt = _plt()
+  labels = labels or {}
   fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
   for policy, tls in sorted(timelines_by_policy.items()):
     s = latency_samples(tls)
-    _cdf(axes[0], s["ttft"], policy)
-    _cdf(axes[1], s["tbt"], policy)
+    _cdf(axes[0], s["ttft"], labels.get(policy, policy))
+    _cdf(axes[1], s["tbt"], labels.get(policy, policy))
   for ax, name, slo in zip(axes, ("TTFT", "TBT"), (ttft_slo_s, tbt_slo_s)):
     if slo:
       ax.axvline(slo, color="k", ls="--", lw=0.8)
@@ -177,31 +400,47 @@ def _no_minor_labels(axis):
   axis.set_minor_formatter(NullFormatter())
 
 
-def _slo_note(fig, rows):
+def _slo_note(fig, rows, prefix: str = ""):
   slos = {(r.get("ttft_slo_s"), r.get("tbt_slo_s")) for r in rows}
+  parts = [prefix] if prefix else []
   if len(slos) == 1:
     ttft, tbt = next(iter(slos))
-    fig.suptitle(f"SLO: TTFT <= {ttft:g} s, TBT/TPOT <= {1000 * tbt:g} ms", fontsize=9)
+    if ttft and tbt:
+      parts.append(f"SLO: TTFT <= {ttft:g} s, TBT/TPOT <= {1000 * tbt:g} ms")
+  if parts:
+    fig.suptitle(" — ".join(parts), fontsize=9)
 
 
-def _save(fig, plt, out_path: str) -> str:
+def _save(fig, plt, out_path: str, rect=None) -> str:
   d = os.path.dirname(out_path)
   if d:
     os.makedirs(d, exist_ok=True)
-  fig.tight_layout()
+  fig.tight_layout(rect=rect)
   fig.savefig(out_path, dpi=110)
   plt.close(fig)
   return out_path
 
 
-def find_request_files(results_dir: str) -> dict[tuple[str, float], str]:
-  """{(policy, rps): path} of the ``requests-<policy>-<rps>.jsonl`` files in ``results_dir``."""
-  out = {}
+def find_request_files(results_dir: str) -> dict[tuple[str, float, int], str]:
+  """{(policy, rps, repeat): path} of the per-request files in ``results_dir``, sorted by key.
+
+  ``requests-<policy>-<rps>.jsonl`` counts as repeat 0, ``requests-<policy>-<rps>-rep<k>.jsonl`` as
+  repeat k; if both a plain and a ``-rep0`` file exist, the ``-rep0`` one is used.
+  """
+  out: dict[tuple[str, float, int], str] = {}
+  explicit = set()
   for path in sorted(glob.glob(os.path.join(results_dir, "requests-*.jsonl"))):
-    key = parse_requests_filename(path)
-    if key is not None:
-      out[key] = path
-  return out
+    parsed = parse_requests_filename_full(path)
+    if parsed is None:
+      continue
+    policy, rps, rep = parsed
+    key = (policy, rps, 0 if rep is None else rep)
+    if rep is None and key in explicit:
+      continue
+    out[key] = path
+    if rep is not None:
+      explicit.add(key)
+  return dict(sorted(out.items()))
 
 
 def plot_results_dir(results_dir: str, out_dir: str | None = None, *,
@@ -218,22 +457,44 @@ def plot_results_dir(results_dir: str, out_dir: str | None = None, *,
   req_files = find_request_files(results_dir)
   if not rows and not req_files:
     raise FileNotFoundError(f"{results_dir}: neither results.jsonl nor requests-*.jsonl found")
-  if rows:
+  rps_values = {float(r["rps"]) for r in rows}
+  if len(rps_values) >= 2:
     written.append(plot_attainment_vs_rps(rows, os.path.join(out_dir, "slo_attainment_vs_rps.png")))
     written.append(plot_p99_vs_rps(rows, os.path.join(out_dir, "p99_latency_vs_rps.png")))
-  slo = {(r["policy"], float(r["rps"])): (r["ttft_slo_s"], r["tbt_slo_s"]) for r in rows}
+  elif len(rps_values) == 1:
+    written.append(plot_attainment_bars(rows, os.path.join(out_dir, "attainment_bars.png")))
+    written.append(plot_latency_bars(rows, os.path.join(out_dir, "latency_bars.png")))
+    if any(_num_value(r.get(k)) is not None for r in rows
+           for k in ("rotations_per_step", "mean_residency_steps")):
+      written.append(plot_rotation_bars(rows, os.path.join(out_dir, "rotation_bars.png")))
+  # rps matched as written in file names (format_rps), so a rounded name still finds its row's SLOs.
+  slo = {(r["policy"], format_rps(r["rps"])): (r["ttft_slo_s"], r["tbt_slo_s"]) for r in rows}
   loaded = {key: read_timelines(path) for key, path in req_files.items()}
-  for rps in sorted({rps for _, rps in loaded}):
-    by_policy = {p: tls for (p, r), tls in loaded.items() if r == rps}
-    slos = [slo[(p, rps)] for p in by_policy if (p, rps) in slo]
+  for rps in sorted({rps for _, rps, _ in loaded}):
+    pooled: dict[str, list[RequestTimeline]] = {}
+    repeats: dict[str, int] = {}
+    for (p, r, _), tls in loaded.items():
+      if r == rps:
+        pooled.setdefault(p, []).extend(tls)
+        repeats[p] = repeats.get(p, 0) + 1
+    labels = {p: f"{p} (n={n})" if n > 1 else p for p, n in repeats.items()}
+    slos = [slo[(p, format_rps(rps))] for p in pooled if (p, format_rps(rps)) in slo]
     ttft_slo, tbt_slo = slos[0] if slos else (None, None)
     written.append(plot_latency_cdfs(
-        by_policy, os.path.join(out_dir, f"latency_cdf-rps{format_rps(rps)}.png"),
-        title=f"rps {format_rps(rps)}", ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo))
-  for (policy, rps), tls in sorted(loaded.items()):
+        pooled, os.path.join(out_dir, f"latency_cdf-rps{format_rps(rps)}.png"),
+        title=f"rps {format_rps(rps)}", ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo, labels=labels))
+  lowest: dict[tuple[str, float], int] = {}
+  for policy, rps, rep in loaded:
+    lowest[(policy, rps)] = min(rep, lowest.get((policy, rps), rep))
+  for (policy, rps), rep in sorted(lowest.items()):
+    tls = loaded[(policy, rps, rep)]
     if tls:
+      suffix = f"-rep{rep}" if rep > 0 else ""
+      several = any(k[:2] == (policy, rps) and k[2] != rep for k in loaded)
+      rep_note = f" (repeat {rep})" if rep > 0 or several else ""
       written.append(plot_request_timeline(
-          tls, os.path.join(out_dir, f"timeline-{policy}-{format_rps(rps)}.png"),
-          title=f"{policy} @ {format_rps(rps)} req/s: states, tokens (ticks), rotations (triangles)",
+          tls, os.path.join(out_dir, f"timeline-{policy}-{format_rps(rps)}{suffix}.png"),
+          title=f"{policy} @ {format_rps(rps)} req/s{rep_note}: states, tokens (ticks), "
+                "rotations (triangles)",
           max_requests=max_timeline_requests))
   return written

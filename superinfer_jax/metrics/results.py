@@ -170,13 +170,15 @@ def read_results(path: str, *, validate: bool = True) -> list[dict[str, Any]]:
 
 # (key, header, format) of the comparison table; latencies printed in ms.
 TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("rps", "rps", "{:g}"), ("policy", "policy", "{}"),
+    ("rps", "rps", "{:.3g}"), ("policy", "policy", "{}"),
     ("num_finished", "done", "{}"), ("slo_attainment", "SLO%", "pct"),
     ("ttft_attainment", "TTFT%", "pct"), ("tbt_attainment", "TBT%", "pct"),
     ("ttft_p50_s", "TTFT p50 ms", "ms"), ("ttft_p99_s", "TTFT p99 ms", "ms"),
     ("tbt_p50_s", "TBT p50 ms", "ms"), ("tbt_p99_s", "TBT p99 ms", "ms"),
     ("tpot_p99_s", "TPOT p99 ms", "ms"), ("output_throughput_tok_s", "tok/s", "{:.1f}"),
-    ("num_rotations", "rot", "{}"), ("num_recompute_preemptions", "recomp", "{}"),
+    ("num_rotations", "rot", "{}"), ("rotations_per_step", "rot/step", "{:.2f}"),
+    ("mean_residency_steps", "resid", "{:.1f}"), ("num_recompute_preemptions", "recomp", "{}"),
+    ("repeat", "rep", "{}"), ("step_time_p50_s", "step ms", "ms"), ("step_time_drift", "drift", "{:.2f}"),
 )
 
 
@@ -192,10 +194,13 @@ def _cell(v, fmt: str) -> str:
 
 def format_comparison_table(rows: Sequence[dict[str, Any]],
                             columns: Sequence[tuple[str, str, str]] = TABLE_COLUMNS) -> str:
-  """A fixed-width text table, one line per row, sorted by (rps, policy); "-" for missing values."""
-  rows = sorted(rows, key=lambda r: (float(r.get("rps", 0)), str(r.get("policy", ""))))
+  """A fixed-width text table, one line per row, sorted by (rps, policy, repeat); "-" for missing values;
+  a row flagged ``perturbed`` gets a "*" after its policy."""
+  rows = sorted(rows, key=lambda r: (float(r.get("rps", 0)), str(r.get("policy", "")), r.get("repeat") or 0))
   cells = [[h for _, h, _ in columns]]
-  cells += [[_cell(r.get(k), f) for k, _, f in columns] for r in rows]
+  cells += [[_cell(r.get(k), f) + ("*" if k == "policy" and r.get("perturbed") else "") for k, _, f in columns]
+            for r in rows]
+  columns = list(columns)
   widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
   lines = []
   for j, c in enumerate(cells):

@@ -37,6 +37,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -185,25 +186,47 @@ def format_rps(rps: float) -> str:
   return f"{float(rps):g}"
 
 
-def requests_filename(policy: str, rps: float) -> str:
-  """``requests-<policy>-<rps>.jsonl`` (rps via ``format_rps``)."""
+def requests_filename(policy: str, rps: float, repeat: int | None = None) -> str:
+  """``requests-<policy>-<rps>.jsonl``, or ``requests-<policy>-<rps>-rep<repeat>.jsonl`` for a repeat.
+
+  rps via ``format_rps``; ``repeat`` is the 0-based repeat index of that (policy, rps) run (None: no
+  suffix, the single-run name).
+  """
   if not policy or "/" in policy:
     raise ValueError(f"bad policy name {policy!r}")
-  return f"requests-{policy}-{format_rps(rps)}.jsonl"
+  if repeat is None:
+    return f"requests-{policy}-{format_rps(rps)}.jsonl"
+  if isinstance(repeat, bool) or not _is_int(repeat) or repeat < 0:
+    raise ValueError(f"bad repeat {repeat!r} (an int >= 0 or None)")
+  return f"requests-{policy}-{format_rps(rps)}-rep{int(repeat)}.jsonl"
+
+
+# Non-greedy policy: the rps is the shortest tail that is a ``format_rps`` number, so "1e-05" stays whole
+# while a policy may still contain '-' (and '_'). Only a policy ending in "-<digits>e" is ambiguous.
+_REQUESTS_RE = re.compile(
+    r"^requests-(?P<policy>.+?)-(?P<rps>(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?|inf)"
+    r"(?:-rep(?P<repeat>\d+))?\.jsonl$")
+
+
+def parse_requests_filename_full(name: str) -> tuple[str, float, int | None] | None:
+  """(policy, rps, repeat) of a ``requests_filename`` name (any directory prefix), or None.
+
+  ``repeat`` is None for the plain ``requests-<policy>-<rps>.jsonl`` form.
+  """
+  m = _REQUESTS_RE.match(os.path.basename(name))
+  if m is None:
+    return None
+  rep = m.group("repeat")
+  return m.group("policy"), float(m.group("rps")), None if rep is None else int(rep)
 
 
 def parse_requests_filename(name: str) -> tuple[str, float] | None:
-  """(policy, rps) of a ``requests-<policy>-<rps>.jsonl`` name, or None. Policy may contain '-'."""
-  base = os.path.basename(name)
-  if not (base.startswith("requests-") and base.endswith(".jsonl")):
-    return None
-  policy, sep, rps = base[len("requests-"):-len(".jsonl")].rpartition("-")
-  if not sep or not policy:
-    return None
-  try:
-    return policy, float(rps)
-  except ValueError:
-    return None
+  """(policy, rps) of a ``requests_filename`` name, with or without ``-rep<k>``, or None.
+
+  Policy may contain '-' and '_'.
+  """
+  full = parse_requests_filename_full(name)
+  return None if full is None else full[:2]
 
 
 def write_timelines(path: str, timelines: Iterable[RequestTimeline], *, validate: bool = True) -> None:

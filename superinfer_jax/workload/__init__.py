@@ -8,7 +8,7 @@ Numpy and the standard library only (no JAX). Typical use::
   # or, in one call (dataset "sharegpt" | "synthetic" | a path):
   w = wl.make_workload("sharegpt", tokenizer, num_requests=200, rps=4.0, seed=0, max_total_len=2048)
 """
-from superinfer_jax.workload.arrivals import (CONVENTIONS, SUPERINFER, VLLM, arrival_times,
+from superinfer_jax.workload.arrivals import (ARRIVAL_PROCESSES, CONVENTIONS, SUPERINFER, VLLM, arrival_times,
                                               gamma_arrivals, gamma_shape_scale, poisson_arrivals)
 from superinfer_jax.workload.builder import make_workload
 from superinfer_jax.workload.datasets import (PromptPair, TruncatedFileInfo, build_workload,
@@ -18,6 +18,7 @@ from superinfer_jax.workload.synthetic import LengthDist, synthetic_workload
 from superinfer_jax.workload.types import RequestSpec, Workload, filter_requests
 
 __all__ = [
+    "ARRIVAL_PROCESSES",
     "CONVENTIONS", "SUPERINFER", "VLLM", "arrival_times", "gamma_arrivals", "gamma_shape_scale",
     "poisson_arrivals", "PromptPair", "TruncatedFileInfo", "build_workload", "dataset_pairs",
     "detect_format", "iter_json_array", "load_dataset", "lmsys_pairs", "sharegpt_pairs", "trace_pairs",

@@ -84,6 +84,9 @@ def poisson_arrivals(n: int, rps: float, *, seed: int = 0, start_at_zero: bool =
   return _cumulate(gaps, start_at_zero, start_s)
 
 
+ARRIVAL_PROCESSES = ("poisson", "gamma", "uniform")
+
+
 def arrival_times(n: int, rps: float, *, process: str = "poisson", burstiness: float = 1.0,
                   convention: str = VLLM, seed: int = 0, start_at_zero: bool = True) -> np.ndarray:
   """Dispatch: ``process`` is 'poisson', 'gamma' (with ``burstiness``/``convention``) or 'uniform'.
