@@ -1,4 +1,4 @@
-r"""Host<->device KV transfer benchmark: DuplexKV's naive / merged / duplex modes (PAPER.md Table 1).
+r"""Host<->device KV transfer benchmark: DuplexKV's naive / merged / duplex modes (docs/paper.md Table 1).
 
 Two sweeps, each timed per direction (``d2h``, ``h2d``) and with both directions at once (``duplex``):
 
@@ -52,7 +52,7 @@ flags.DEFINE_integer("warmup", 1, "Untimed repetitions first (compilation, alloc
 flags.DEFINE_bool("torch", True, "On GPU, also time torch pinned-memory copies of the same bytes.")
 flags.DEFINE_float("time_budget_s", 100, "Skip the remaining measurements after this many seconds.")
 
-# (layers, kv heads, head dim) of the KV caches in PAPER.md §5; block 16, bf16.
+# (layers, kv heads, head dim) of the KV caches in docs/paper.md §5; block 16, bf16.
 MODELS = {
     "smollm2-135m": (30, 3, 64),
     "llama3-8b": (32, 8, 128),

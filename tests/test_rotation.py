@@ -120,7 +120,7 @@ def _write_then_copy_out(kind: str, gather_before_step: bool):
   eng = DuplexKV(spec, 4)
   new_value = _random_blocks(spec, 1, rng)[0]
   copy = {kind: [(3, 0)]}
-  if gather_before_step:   # the race of PAPER.md §7.2(a): copy taken from the cache before the step
+  if gather_before_step:   # the race of docs/paper.md §7.2(a): copy taken from the cache before the step
     cache = eng.issue(cache, **copy)
     cache = _slow_step(cache, jnp.int32(3), new_value)
   else:                    # the rule: D2H gathers from the cache returned by the last dispatched step
@@ -141,7 +141,7 @@ def test_copy_out_sees_the_block_written_by_the_last_dispatched_step(kind):
 
 
 class _ScatterFirst(DuplexKV):
-  """Deliberately broken engine: scatters the swap-ins before gathering the swap-outs (PAPER.md §7.2(b))."""
+  """Deliberately broken engine: scatters the swap-ins before gathering the swap-outs (docs/paper.md §7.2(b))."""
 
   def issue(self, cache, swap_out=(), writeback=(), swap_in=()):
     swap_in = [tuple(p) for p in swap_in]

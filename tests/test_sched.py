@@ -63,7 +63,7 @@ def test_scheduler_vlt_uses_its_clock_and_config():
 
 # ---------------------------------------------------------------------------- conceptual example
 def test_conceptual_example_longest_running_rotates_out():
-  """PAPER.md §2.1 example: 4 requests, device room for 2 (one 1-block request each).
+  """docs/paper.md §2.1 example: 4 requests, device room for 2 (one 1-block request each).
 
   A (t=0) and B (t=0.05) are admitted in turn. C arrives at 0.15; at t=0.2 the device is full, C's VLT
   (>= 0) ranks above every running request, so the running request with the most negative VLT (A, the

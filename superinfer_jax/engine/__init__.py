@@ -4,7 +4,7 @@ Public API (``LLMEngine`` and friends import JAX lazily, so ``from superinfer_ja
 EngineConfig`` stays JAX-free)::
 
   from superinfer_jax.engine import LLMEngine, EngineConfig, SamplingParams
-  engine = LLMEngine("smollm2-135m", EngineConfig(num_device_blocks=512, policy="rotasched"))
+  engine = LLMEngine("smollm2-135m", EngineConfig.create(num_device_blocks=512, policy="rotasched"))
   rid = engine.add_request("The capital of France is", SamplingParams(max_tokens=32))
   for out in engine.stream(): ...          # RequestOutput: token_ids, text delta, timestamps, finish_reason
   results = engine.generate(["a", "b"], SamplingParams(max_tokens=8))   # blocking, input order

@@ -1,6 +1,6 @@
 """LLMEngine: the serving step loop (continuous batching, chunked prefill, rotation, on-device sampling).
 
-One engine step (ARCHITECTURE.md "One engine step"):
+One engine step (docs/architecture.md "One engine step"):
 
   1. ``Scheduler.schedule()`` reads the clock and the block manager and returns a ``StepPlan``: sequences
      with token counts (chunked prefill under a token budget), requests rotated out / in, preempted.
@@ -15,7 +15,7 @@ One engine step (ARCHITECTURE.md "One engine step"):
      ignore_eos, stop token ids, stop strings, max_tokens, context length) run on the host;
      ``Scheduler.on_step_done`` is told the new tokens and finished requests; outputs carry timestamps.
 
-Pipelined loop (PAPER.md §4.5, ``EngineConfig.pipeline``): with step k in flight on the device, the host
+Pipelined loop (docs/paper.md §4.5, ``EngineConfig.pipeline``): with step k in flight on the device, the host
 plans step k+1 with ``schedule(lookahead=True)`` (requests in flight are assumed to gain one token) and
 issues its transfers, and only then blocks reading step k's tokens. Requests that finished at step k are
 dropped from plan k+1 ("reschedule"; the token the lookahead assumed is never computed), then step k+1 is

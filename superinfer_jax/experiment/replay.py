@@ -3,7 +3,7 @@
 The driver plays the client: request i is submitted at ``t0 + arrival_s[i]`` on the engine's clock, with
 that scheduled time as its arrival (so queueing before submission counts against TTFT, as with a real
 client), ``ignore_eos=True``, greedy, and ``max_tokens`` = the workload's output length (the paper's
-benchmark setting, PAPER.md §5). Between steps it records every output token's timestamp (as the engine
+benchmark setting, docs/paper.md §5). Between steps it records every output token's timestamp (as the engine
 stamped it) and every state change the engine reports in its outputs (running / rotary / preempted, at
 the time of the plan that made it; waiting at arrival; finished) into a ``TimelineRecorder``. When nothing is live it sleeps until the next arrival.
 """

@@ -62,6 +62,9 @@ class SweepSpec:
   ttft_slo_steps: float = knob(30.0, "--calibrate: TTFT SLO in measured steps")
   tbt_slo_steps: float = knob(4.0, "--calibrate: TBT SLO in measured steps")
   drift_tolerance: float = knob(1.5, "flag a run whose median step time leaves [warm-up / x, warm-up * x]")
+  cpu_share_tolerance: float = knob(
+      1.25, "flag a run whose CPU seconds per wall second fall below the warm-up's / x (another process "
+            "took the CPU)")
   time_limit_s: Optional[float] = knob(None, "abort a run after this many seconds", none_as=0.0)
   hardware: Optional[str] = knob(None, "hardware label in results (default: the JAX device kind)",
                                  none_as="")
@@ -74,8 +77,9 @@ class SweepSpec:
       raise ValueError("repeats and num_requests must be >= 1")
     if any(not (r > 0) for r in self.rps_values):
       raise ValueError(f"rps values must be > 0 (inf allowed), got {self.rps}")
-    if not self.drift_tolerance > 1.0:
-      raise ValueError(f"drift_tolerance must be > 1, got {self.drift_tolerance}")
+    if not self.drift_tolerance > 1.0 or not self.cpu_share_tolerance > 1.0:
+      raise ValueError(f"drift_tolerance and cpu_share_tolerance must be > 1, got {self.drift_tolerance}, "
+                       f"{self.cpu_share_tolerance}")
     self.variants  # parses --vary (ValueError on a bad item)
 
   @property
@@ -149,9 +153,10 @@ def _fresh_output_dir(path: str) -> None:
   os.makedirs(path, exist_ok=True)
 
 
-def _warm_up(model_tuple, engine_config, workload, progress: bool) -> tuple[int, list[float]]:
+def _warm_up(model_tuple, engine_config, workload, progress: bool) -> tuple[int, list[float], float]:
   """Compiles the step shapes a run will hit and measures the step time: the job's prompts, all at t=0,
-  short outputs, the same pool. Returns (device pool size in blocks, wall time of each step)."""
+  short outputs, the same pool. Returns (device pool size in blocks, wall time of each step, this process's
+  CPU seconds per wall second while stepping)."""
   from superinfer_jax.engine.config import SamplingParams  # pylint: disable=import-outside-toplevel
   from superinfer_jax.engine.engine import LLMEngine  # pylint: disable=import-outside-toplevel
   engine = LLMEngine(model_tuple, engine_config)
@@ -161,14 +166,16 @@ def _warm_up(model_tuple, engine_config, workload, progress: bool) -> tuple[int,
   for s in workload:
     engine.add_request(s.prompt_token_ids, SamplingParams(max_tokens=min(s.output_len, 24), ignore_eos=True))
   steps = []
+  cpu0, wall0 = time.process_time(), time.perf_counter()
   while engine.has_unfinished():
     ts = time.perf_counter()
     engine.step()
     steps.append(time.perf_counter() - ts)
+  cpu_share = (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)
   if progress:
     print(f"[warm-up] {len(workload)} requests, {len(steps)} steps, {engine.num_compiled_shapes()} compiled "
           f"step shapes, {time.perf_counter() - t:.1f} s", flush=True)
-  return engine.num_device_blocks, steps[2:] if len(steps) > 6 else steps  # the first steps fill the pipe
+  return engine.num_device_blocks, (steps[2:] if len(steps) > 6 else steps), cpu_share  # 2 steps fill the pipe
 
 
 def _loadavg() -> Optional[float]:
@@ -220,8 +227,9 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
   base = workload_at(rps_values[0])   # the same requests at every rate (arrivals differ)
   policies = spec.policy_names
   warm_steps: list[float] = []
+  warm_cpu_share = None
   if spec.warmup or spec.calibrate:
-    n, warm_steps = _warm_up(model_tuple, apply_variant(engine_config.replace(policy=policies[0]), variants[0]),
+    n, warm_steps, warm_cpu_share = _warm_up(model_tuple, apply_variant(engine_config.replace(policy=policies[0]), variants[0]),
                              base, spec.progress)
     engine_config = engine_config.replace(num_device_blocks=n)
     gc.collect()
@@ -246,7 +254,7 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
                "model_config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else str(cfg),
                "hardware": hardware, "rps": rps_values, "variants": variants,
                "calibration": calibration.as_dict() if calibration else None,
-               "warmup_step_s": ref_step}, f, indent=2, default=str)
+               "warmup_step_s": ref_step, "warmup_cpu_per_wall": warm_cpu_share}, f, indent=2, default=str)
   workloads = {rps: workload_at(rps) for rps in rps_values}
   rows = []
   run_index = 0
@@ -267,6 +275,10 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
                             progress=spec.progress, time_limit_s=spec.time_limit_s)
       st = res.engine_stats
       drift = calib.step_drift(res.step_times_s, ref_step) if ref_step else None
+      cpu_share = res.cpu_s / res.duration_s if res.duration_s > 0 else None
+      cpu_drift = cpu_share / warm_cpu_share if cpu_share is not None and warm_cpu_share else None
+      perturbed = (calib.is_perturbed(drift, spec.drift_tolerance)
+                   or (cpu_drift is not None and cpu_drift < 1.0 / spec.cpu_share_tolerance))
       steps_sorted = sorted(res.step_times_s)
       extra = {"num_device_blocks": engine.num_device_blocks, "num_host_blocks": engine.num_host_blocks,
                "block_size": config.block_size, "rotations_in": st["rotations_in"],
@@ -281,9 +293,8 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
                "step_time_p50_s": steps_sorted[len(steps_sorted) // 2] if steps_sorted else None,
                "step_time_p90_s": steps_sorted[int(0.9 * (len(steps_sorted) - 1))] if steps_sorted else None,
                "warmup_step_s": ref_step, "step_time_drift": drift,
-               "perturbed": calib.is_perturbed(drift, spec.drift_tolerance),
+               "perturbed": perturbed, "cpu_per_wall": cpu_share, "cpu_share_drift": cpu_drift,
                "loadavg_1m_start": res.loadavg_1m[0], "loadavg_1m_end": res.loadavg_1m[1],
-               "cpu_per_wall": res.cpu_s / res.duration_s if res.duration_s > 0 else None,
                "pipeline": config.pipeline, "attention": config.model.attention, "dtype": config.model.dtype,
                "transfer_mode": config.rotation.transfer_mode, "min_residency": config.scheduler.min_residency,
                "proactive_swap_budget": config.scheduler.proactive_swap_budget,
@@ -306,7 +317,8 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
       del engine, res     # free this engine's device cache and host pool before the next one
       gc.collect()
       if spec.progress:
-        flag = "  PERTURBED: step times drifted from the warm-up's" if row["perturbed"] else ""
+        flag = ("  PERTURBED: step times or CPU share drifted from the warm-up's (another process?)"
+                if row["perturbed"] else "")
         print(f"[{label} @ {rps:.3g} rps{rep_tag}] finished {row['num_finished']}/{row['num_requests']}, "
               f"SLO attainment {row['slo_attainment']:.2f}, rotations {row['num_rotations']}, step p50 "
               f"{_ms(row['step_time_p50_s'])} (x{drift or float('nan'):.2f} of warm-up){flag}", flush=True)
@@ -323,8 +335,9 @@ def finish_report(output_dir: str, rows: Sequence[dict[str, Any]]) -> str:
   table = format_comparison_table(rows)
   lines = [table]
   if any(r.get("perturbed") for r in rows):
-    lines.append("* = perturbed run: its median step time drifted beyond the tolerance from the warm-up's "
-                 "(another process took the CPU?); compare such rows with care")
+    lines.append("* = perturbed run: its median step time, or the CPU time this process got per wall second, "
+                 "drifted beyond the tolerance from the warm-up's (another process took the CPU?); compare "
+                 "such rows with care")
   lines += ["", f"results: {os.path.join(output_dir, 'results.jsonl')}"]
   lines += [f"plot: {p}" for p in paths]
   return "\n".join(lines)

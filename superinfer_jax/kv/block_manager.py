@@ -57,7 +57,7 @@ Mutations:
   * ``mark_computed(req_id, num_computed_tokens)``: absolute count of tokens whose KV is written by a step
     already dispatched. Monotone, ``<= num_tokens``. Blocks that become full are queued for write-back.
   * ``take_writebacks(max_blocks=None, min_free_host=0) -> PairList[(device, host)]``: eager write-back
-    (PAPER.md §4.4): D2H pairs for full, computed, dirty blocks of resident requests, oldest first. A block
+    (docs/paper.md §4.4): D2H pairs for full, computed, dirty blocks of resident requests, oldest first. A block
     without a host copy gets a fresh host block; one with a stale copy (a tail block that filled up after a
     swap-in) reuses it. Marks them clean. Stops at ``max_blocks`` pairs or when taking another host block
     would leave fewer than ``min_free_host`` free; the rest stay queued for a later call.
@@ -122,7 +122,7 @@ ReqId = Hashable
 
 class _Seq:
   """One request's logical blocks (parallel lists, indexed by logical block)."""
-  __slots__ = ("dev", "host", "host_tokens", "num_tokens", "num_computed", "swapped", "nwb", "nhost")
+  __slots__ = ("dev", "host", "host_tokens", "num_tokens", "num_computed", "on_host", "nwb", "nhost")
 
   def __init__(self):
     self.dev: list[int] = []
@@ -130,7 +130,7 @@ class _Seq:
     self.host_tokens: list[int] = []
     self.num_tokens = 0
     self.num_computed = 0
-    self.swapped = False
+    self.on_host = False
     self.nwb = 0  # entries of this request in the write-back queue
     self.nhost = 0  # host ids in ``host`` (not NO_BLOCK); avoids scanning ``host`` on the hot paths
 
@@ -181,7 +181,7 @@ class BlockManager:
 
   def num_host_mirrors(self, req_id: ReqId) -> int:
     s = self._seqs[req_id]
-    return 0 if s.swapped else s.nhost
+    return 0 if s.on_host else s.nhost
 
   def host_usage(self) -> float:
     if self.num_host_blocks == 0:
@@ -198,7 +198,7 @@ class BlockManager:
     return req_id in self._seqs
 
   def is_swapped(self, req_id: ReqId) -> bool:
-    return self._seqs[req_id].swapped
+    return self._seqs[req_id].on_host
 
   def num_blocks(self, req_id: ReqId) -> int:
     s = self._seqs.get(req_id)
@@ -216,19 +216,19 @@ class BlockManager:
     """Device blocks ``append_slots`` needs so that the request covers ``total_tokens`` tokens."""
     s = self._seqs.get(req_id)
     have = 0 if s is None else len(s.dev)
-    if s is not None and s.swapped:
+    if s is not None and s.on_host:
       raise ValueError(f"request {req_id!r} is swapped out; use blocks_to_swap_in")
     need = -(-total_tokens // self.block_size) - have
     return need if need > 0 else 0
 
   def blocks_to_swap_in(self, req_id: ReqId) -> int:
     s = self._seqs[req_id]
-    return len(s.dev) if s.swapped else 0
+    return len(s.dev) if s.on_host else 0
 
   def blocks_to_swap_out(self, req_id: ReqId) -> int:
     """Host blocks ``swap_out`` would allocate (computed blocks without any host copy)."""
     s = self._seqs[req_id]
-    if s.swapped:
+    if s.on_host:
       return 0
     n = -(-s.num_computed // self.block_size)
     return s.host[:n].count(NO_BLOCK)
@@ -236,7 +236,7 @@ class BlockManager:
   def swap_out_copies(self, req_id: ReqId) -> int:
     """D2H block copies ``swap_out`` would issue (computed blocks whose host copy is missing or stale)."""
     s = self._seqs[req_id]
-    if s.swapped:
+    if s.on_host:
       return 0
     bs = self.block_size
     nc = s.num_computed
@@ -251,7 +251,7 @@ class BlockManager:
 
   def block_table(self, req_id: ReqId) -> list[int]:
     s = self._seqs[req_id]
-    if s.swapped:
+    if s.on_host:
       raise ValueError(f"request {req_id!r} is swapped out; it has no device block table")
     return s.dev[:]  # a fresh list (slicing is cheaper than list(); called for every scheduled seq)
 
@@ -325,7 +325,7 @@ class BlockManager:
   def append_slots(self, req_id: ReqId, num_new_tokens: int) -> bool:
     """Covers ``num_new_tokens`` more tokens on device. All-or-nothing. Creates unknown requests."""
     s = self._seqs.get(req_id)
-    if s is not None and not s.swapped and num_new_tokens >= 0:
+    if s is not None and not s.on_host and num_new_tokens >= 0:
       # Fast path (a running request's next token usually fits its last block).
       total = s.num_tokens + num_new_tokens
       if total <= len(s.dev) * self.block_size:
@@ -340,7 +340,7 @@ class BlockManager:
         return False
       s = self._seqs[req_id] = _Seq()
     else:
-      if s.swapped:
+      if s.on_host:
         raise ValueError(f"append_slots on swapped-out request {req_id!r}; swap_in first")
       need = -(-(s.num_tokens + num_new_tokens) // self.block_size) - len(s.dev)
       if need > len(self._dev_free) - self._dev_head:
@@ -356,7 +356,7 @@ class BlockManager:
     """Records that the first ``num_computed_tokens`` tokens' KV is written by a dispatched step."""
     s = self._seqs[req_id]
     old = s.num_computed
-    if s.swapped:
+    if s.on_host:
       raise ValueError(f"mark_computed on swapped-out request {req_id!r}")
     if num_computed_tokens < old or num_computed_tokens > s.num_tokens:
       raise ValueError(f"mark_computed({req_id!r}, {num_computed_tokens}): must be in "
@@ -430,7 +430,7 @@ class BlockManager:
     None means the host pool lacks blocks; then neither the manager nor ``out`` changed.
     """
     s = self._seqs[req_id]
-    if s.swapped:
+    if s.on_host:
       raise ValueError(f"request {req_id!r} is already swapped out")
     host = s.host
     bs = self.block_size
@@ -475,7 +475,7 @@ class BlockManager:
       del dev[n:]
     dev[:] = _NO_BLOCKS[:n] if n <= len(_NO_BLOCKS) else [NO_BLOCK] * n
     s.num_tokens = nc
-    s.swapped = True
+    s.on_host = True
     return moved
 
   def _swap_out_dirty(self, req_id: ReqId, s: _Seq, out: PairList) -> int | None:
@@ -538,7 +538,7 @@ class BlockManager:
     None means the device pool lacks blocks; then neither the manager nor ``out`` changed.
     """
     s = self._seqs[req_id]
-    if not s.swapped:
+    if not s.on_host:
       raise ValueError(f"request {req_id!r} is not swapped out")
     host = s.host
     n = len(host)
@@ -546,7 +546,7 @@ class BlockManager:
       return None
     devs = self._take_dev(n)
     s.dev[:] = devs  # in place (see swap_out)
-    s.swapped = False
+    s.on_host = False
     self._mirror_blocks += n
     out.srcs += host
     out.dsts += devs
@@ -560,7 +560,7 @@ class BlockManager:
     if s.nwb:
       self._drop_wb(req_id, s)
     host = s.host
-    if not s.swapped:
+    if not s.on_host:
       self._mirror_blocks -= s.nhost
       self._dev_free += s.dev
     if s.nhost == len(host):
@@ -576,7 +576,7 @@ class BlockManager:
     current step (its host blocks are this step's H2D sources; ordering contract 3).
     """
     s = self._seqs[req_id]
-    if s.swapped:
+    if s.on_host:
       raise ValueError(f"request {req_id!r} is swapped out; its host blocks are its only copy")
     if not s.nhost:
       return 0
@@ -616,7 +616,7 @@ class BlockManager:
         else:
           assert 0 <= h < self.num_host_blocks, f"{rid!r}[{i}]: bad host id {h}"
           host_owners[h] += 1
-        if s.swapped:
+        if s.on_host:
           assert d == NO_BLOCK, f"{rid!r}[{i}]: swapped request holds device block {d}"
           assert h != NO_BLOCK, f"{rid!r}[{i}]: swapped request lacks a host block"
           assert ht >= self._computed_in_block(s, i), f"{rid!r}[{i}]: swapped block is dirty"
@@ -629,13 +629,13 @@ class BlockManager:
               f"{rid!r}[{i}]: full&dirty={full_dirty} but write-back queued={(rid, i) in self._wb}")
       nhost = n - s.host.count(NO_BLOCK)
       assert s.nhost == nhost, f"{rid!r}: host block count {s.nhost} != {nhost}"
-      if s.swapped:
+      if s.on_host:
         assert s.num_tokens == s.num_computed, f"{rid!r}: swapped with uncomputed slots"
-    mirrors = sum(len(s.host) - s.host.count(NO_BLOCK) for s in self._seqs.values() if not s.swapped)
+    mirrors = sum(len(s.host) - s.host.count(NO_BLOCK) for s in self._seqs.values() if not s.on_host)
     assert mirrors == self._mirror_blocks, f"mirror count {self._mirror_blocks} != {mirrors}"
     nwb = collections.Counter()
     for key in self._wb:
-      assert key[0] in self._seqs and not self._seqs[key[0]].swapped, f"stale write-back entry {key!r}"
+      assert key[0] in self._seqs and not self._seqs[key[0]].on_host, f"stale write-back entry {key!r}"
       nwb[key[0]] += 1
     for rid, s in self._seqs.items():
       assert s.nwb == nwb[rid], f"{rid!r}: write-back count {s.nwb} != queued {nwb[rid]}"

@@ -1,6 +1,6 @@
 """KV-cache layouts: the one place that knows how a paged KV cache is shaped.
 
-Canonical layout (the paper's DuplexKV *block-first* layout, PAPER.md §4.2):
+Canonical layout (the paper's DuplexKV *block-first* layout, docs/paper.md §4.2):
 
     kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
                axis 2 is K (0) / V (1)
@@ -10,7 +10,7 @@ one segment per block. Block id ``PADDING_BLOCK`` (0) is reserved: padding token
 padding entries of block tables point at it; it is never handed to a request.
 
 The *layer-first* layout (vLLM's, ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``) exists
-only for the transfer ablation (PAPER.md Table 1): one contiguous segment there is one layer's K (or V) of one
+only for the transfer ablation (docs/paper.md Table 1): one contiguous segment there is one layer's K (or V) of one
 block, so a block needs ``2 * num_layers`` segments.
 
 Pure Python (no JAX): shared by the model, the rotation engine, the block manager and the simulator.

@@ -178,7 +178,7 @@ TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("tpot_p99_s", "TPOT p99 ms", "ms"), ("output_throughput_tok_s", "tok/s", "{:.1f}"),
     ("num_rotations", "rot", "{}"), ("rotations_per_step", "rot/step", "{:.2f}"),
     ("mean_residency_steps", "resid", "{:.1f}"), ("num_recompute_preemptions", "recomp", "{}"),
-    ("repeat", "rep", "{}"), ("step_time_p50_s", "step ms", "ms"), ("step_time_drift", "drift", "{:.2f}"),
+    ("repeat", "rep", "{}"), ("step_time_p50_s", "step ms", "ms"), ("step_time_drift", "drift", "{:.2f}"), ("cpu_share_drift", "cpu", "{:.2f}"),
 )
 
 

@@ -1,4 +1,4 @@
-"""DuplexKV: the KV rotation engine (PAPER.md §4) — device cache <-> pinned-host block pool.
+"""DuplexKV: the KV rotation engine (docs/paper.md §4) — device cache <-> pinned-host block pool.
 
 One ``issue()`` per engine step executes the block manager's copy lists:
 
@@ -9,7 +9,7 @@ One ``issue()`` per engine step executes the block manager's copy lists:
   as early as the plan is known: by ``prefetch()`` or first thing in ``issue()``), then ONE jitted, bucketed
   scatter into the donated ``cache``.
 
-Ordering (the rules PAPER.md §7.2 says the reference code breaks), all by JAX data dependencies, no waits:
+Ordering (the rules docs/paper.md §7.2 says the reference code breaks), all by JAX data dependencies, no waits:
 
 1. The D2H gather reads ``cache``, the array returned by the last *dispatched* model step, so it runs after
    the step that wrote the copied tokens (never a stale block).
@@ -25,13 +25,13 @@ Ordering (the rules PAPER.md §7.2 says the reference code breaks), all by JAX d
 
 Host-pool representation (why not one big host array): scatter / dynamic-update-slice INTO a ``pinned_host``
 array inside jit crashes XLA (openxla/xla #34565, #47362) and indexing a ``pinned_host`` array fails
-(jax #34041); see PLATFORM.md. So the host pool is a dict ``host_id -> jax.Array [L, 2, BS, H, D]`` in
+(jax #34041); see docs/platform.md. So the host pool is a dict ``host_id -> jax.Array [L, 2, BS, H, D]`` in
 ``pinned_host`` memory: each host block is its own buffer (taken from the runtime's pinned-host allocator),
 written whole by a ``device_put`` and read whole by a ``device_put``; nothing ever indexes or updates a host
 array in place. In the block-first layout that buffer is exactly the block's contiguous device segment, so
 each block moves as one DMA segment, and a step's blocks move in one batched ``device_put`` call.
 
-Ablation modes (PAPER.md §4.3 and Table 1), chosen by ``mode``:
+Ablation modes (docs/paper.md §4.3 and Table 1), chosen by ``mode``:
 
 * ``"duplex"`` (default): batched per direction; H2D and D2H issued together, no waits (overlap each other
   and the model step).

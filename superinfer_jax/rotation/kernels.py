@@ -13,7 +13,7 @@ The number of blocks per call is a *bucket* (the length of ``ids``; the caller p
 arrays, never Python ints, so no kernel recompiles for new block ids.
 
 These are plain device computations: none of them reads or writes host (``pinned_host``) memory, which keeps
-clear of the XLA bugs on scatter / dynamic-update-slice into host arrays inside jit (PLATFORM.md).
+clear of the XLA bugs on scatter / dynamic-update-slice into host arrays inside jit (docs/platform.md).
 """
 from __future__ import annotations
 

@@ -1,19 +1,19 @@
 """Scheduling policies: one scheduler core (``scheduler.py``), pluggable step logic.
 
-* ``fcfs``: vLLM v1 default (PAPER.md §3). Arrival order; when a running request cannot grow, the
+* ``fcfs``: vLLM v1 default (docs/paper.md §3). Arrival order; when a running request cannot grow, the
   last-admitted running request is preempted by **recompute** and re-queued at the **head** of waiting; no
   admission in a step that preempted; head-of-line blocking. No rotation.
 * ``fcfs_swap``: vLLM v1 with swap preemption. As fcfs, but the reactive victim is **swapped** to host
   (recompute if mid-prefill or the host is full) and re-queued at the head, as fcfs re-queues its recompute
   victims: the most recently evicted request resumes first (LIFO), before any new one. No proactive rotation.
-* ``wf``: Waiting-First (PAPER.md §3) as a static ranking inside Algorithm 1: waiting (arrival order) >
+* ``wf``: Waiting-First (docs/paper.md §3) as a static ranking inside Algorithm 1: waiting (arrival order) >
   rotary (FIFO) > running; running requests rotate out (longest-running first) to admit waiting ones.
-* ``sf``: Swapped-First (PAPER.md §3), vLLM v0's swap policy: no proactive rotation; the reactive victim is
+* ``sf``: Swapped-First (docs/paper.md §3), vLLM v0's swap policy: no proactive rotation; the reactive victim is
   swapped to host; in a step without evictions, swapped requests resume oldest-swap first (FIFO), and new
   requests are admitted only while no request is swapped out. It protects TBT and degenerates to about FCFS.
-* ``rotasched``: the paper's Algorithm 1 (PAPER.md §2.1) with VLT (alpha, beta_B, beta_F, S_F = TTFT SLO,
+* ``rotasched``: the paper's Algorithm 1 (docs/paper.md §2.1) with VLT (alpha, beta_B, beta_F, S_F = TTFT SLO,
   S_B = TBT SLO).
-* ``rotasched_code``: the reference code's behaviour (PAPER.md §2.2): oldest ``in_waiting_since`` first, keep
+* ``rotasched_code``: the reference code's behaviour (docs/paper.md §2.2): oldest ``in_waiting_since`` first, keep
   B blocks free by rotating out longest-running decode requests (victims go to the tail of the one
   waiting order, and the admission loop may swap them straight back in within the step, as the fork's
   does), host-usage gates 0.95 (swap-out) / 0.9 (only WAITING requests, not PREEMPTED ones), recompute on
@@ -44,7 +44,7 @@ Algorithm 1 as implemented (``RotationPolicy.schedule_step`` = ``prioritize`` ->
 Queues stay sorted by time-invariant keys (VLT order within a state never changes), so a step costs
 O(running + |R| + blocks rotated + log N), not a sort of all N requests.
 
-Reading of the paper's conceptual example (PAPER.md §2.1, [S]): "the longest-running request rotates out once
+Reading of the paper's conceptual example (docs/paper.md §2.1, [S]): "the longest-running request rotates out once
 a waiting request's positive VLT exceeds its |VLT|". With the §1.2 formula a crossing test cannot be what
 Algorithm 1 does: a waiting request's VLT and a running request's |VLT| both grow at rate 1, so a waiting
 request could never displace one that started running before it arrived + beta_F * S_F. We implement
@@ -129,7 +129,7 @@ class FCFSSwap(FCFS):
 
 
 class SwappedFirst(FCFS):
-  """Swapped-First (PAPER.md §3), as vLLM v0's scheduler does it with swap preemption.
+  """Swapped-First (docs/paper.md §3), as vLLM v0's scheduler does it with swap preemption.
 
   Per step: running requests first, in admission order; one that cannot grow evicts the last-admitted
   running request by **swap** (recompute if it is mid-prefill or the host pool is full). If nothing was
@@ -163,7 +163,7 @@ class SwappedFirst(FCFS):
 
 
 class RotationPolicy(Policy):
-  """Algorithm 1 (PAPER.md §2.1) with a policy-defined candidate order (see the module docstring)."""
+  """Algorithm 1 (docs/paper.md §2.1) with a policy-defined candidate order (see the module docstring)."""
   name = "rotation"
   reactive_mode = "swap"
 
@@ -377,7 +377,7 @@ class EDF(RotationPolicy):
 
 
 class RotaSchedCode(Policy):
-  """The reference code's per-step algorithm (PAPER.md §2.2), for comparison with ``rotasched``."""
+  """The reference code's per-step algorithm (docs/paper.md §2.2), for comparison with ``rotasched``."""
   name = "rotasched_code"
 
   def waiting_key(self, r, sched):

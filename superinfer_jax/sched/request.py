@@ -1,6 +1,6 @@
 """Request lifecycle for the scheduler.
 
-States (PAPER.md §1; the *rotary* state is the paper's new one)::
+States (docs/paper.md §1; the *rotary* state is the paper's new one)::
 
     WAITING --admit--> RUNNING --rotate out--> ROTARY --rotate in--> RUNNING
                           |  \\--recompute preemption--> PREEMPTED --admit--> RUNNING

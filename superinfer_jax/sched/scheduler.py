@@ -12,7 +12,7 @@ Public API
   * ``abort(req_id) -> bool``: end a live request (ABORTED) and release its blocks; False if unknown.
   * ``schedule(lookahead=False) -> StepPlan``: plan the next step at ``clock.now()``. With ``lookahead=True``
     at most one earlier plan may still be in flight (not yet passed to ``on_step_done``); each request in
-    flight that samples is assumed to gain exactly one token (PAPER.md §4.5). Without lookahead, no plan may
+    flight that samples is assumed to gain exactly one token (docs/paper.md §4.5). Without lookahead, no plan may
     be in flight. The scheduler marks the plan's tokens computed in the block manager (ordering contract 2
     of ``kv/block_manager.py``): the engine must dispatch the plan's model step (after issuing its copies)
     before calling ``schedule()`` again.

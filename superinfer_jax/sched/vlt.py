@@ -1,10 +1,10 @@
-"""Virtual Lag Time (PAPER.md §1.2, Algorithm 1's scheduling currency).
+"""Virtual Lag Time (docs/paper.md §1.2, Algorithm 1's scheduling currency).
 
     VLT(r) = alpha * ReLU(now - t_last - beta_b * S_B)   r rotary   (t_last: its last token's time)
              ReLU(now - t_arr - beta_f * S_F)            r waiting / preempted (t_arr: arrival time)
              -(now - t_run)                              r running  (t_run: when it (re)entered running)
 
-S_F is the request's TTFT SLO and S_B its TBT SLO (PAPER.md §1.2 [G]). Seconds. Invariants: VLT >= 0 for
+S_F is the request's TTFT SLO and S_B its TBT SLO (docs/paper.md §1.2 [G]). Seconds. Invariants: VLT >= 0 for
 waiting/rotary requests, VLT <= 0 for running ones. Within one state the order by VLT does not change over
 time (it is the order of t_arr, t_last, t_run), which the scheduler exploits to keep its queues sorted
 instead of re-sorting every step.

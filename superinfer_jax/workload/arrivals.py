@@ -11,7 +11,7 @@ conventions; they differ in what "burstiness" b means:
     burstier than Poisson, b > 1 more regular, b = 1 is Poisson.
   * ``SUPERINFER`` (SuperInfer ``benchmarks/superinfer/sampler.py``, ``src="gamma"``): ``k = 1 / b``,
     ``theta = 1 / (rps * k) = b / rps``. CV^2 = b: b > 1 is burstier, b = 1 is Poisson. The paper's runs
-    use b = 1 with client seed 42 (PAPER.md §5).
+    use b = 1 with client seed 42 (docs/paper.md §5).
 
 So vLLM burstiness b is SuperInfer burstiness 1 / b. Timing of the first request: vLLM sends request 0
 at t = 0 and sleeps a gap after each request; SuperInfer's client delays request 0 by one gap too

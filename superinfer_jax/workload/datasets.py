@@ -15,7 +15,7 @@ Formats:
     ShareGPT-style ``"conversations"`` list are accepted too.
   * SuperInfer/LTR trace JSONL (``LLM-ltr/Llama3-Trace``, e.g. ``llama3-8b-sharegpt-test-t1-s0-8192.jsonl``):
     one ``{"prompt", "generated", ...}`` per line; output length = tokenized length of ``generated`` under
-    the served model's tokenizer (PAPER.md §5). Requests keep trace order unless shuffled.
+    the served model's tokenizer (docs/paper.md §5). Requests keep trace order unless shuffled.
 
 Pure Python, no JAX.
 """

@@ -19,9 +19,6 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-# Re-export only for superinfer_jax/engine/integration.py, until it imports model.tokenizer directly.
-from superinfer_jax.model.tokenizer import encode_text  # noqa: F401  pylint: disable=unused-import
-
 
 @dataclasses.dataclass(frozen=True)
 class RequestSpec:
