@@ -2,8 +2,10 @@
 
   python scripts/plot.py --results_dir=OUTPUT_DIR [--out_dir=OUTPUT_DIR/plots]
 
-Writes SLO attainment vs RPS, P99 TTFT/TBT vs RPS, TTFT/TBT CDFs per RPS and per-request timelines with
-rotations; see superinfer_jax/metrics/plots.py for the list. Prints the comparison table and the paths.
+With two or more loads: SLO attainment and P99 TTFT/TBT vs RPS (means over repeats, min-max bars). At a
+single load: attainment, latency and rotation bars per policy and repeat (perturbed runs hatched). Always:
+TTFT/TBT CDFs per RPS (repeats pooled) and per-request timelines with rotations. The full list is in
+superinfer_jax/metrics/plots.py. Prints the comparison table and the paths.
 """
 import os
 

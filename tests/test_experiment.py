@@ -61,7 +61,9 @@ def test_run_experiment_tiny_model(tiny_model_dir, tmp_path):
     snap = json.load(f)
   assert snap["engine"]["num_device_blocks"] == 14 and snap["sweep"]["policies"] == ["fcfs", "rotasched"]
   pngs = [p for p in os.listdir(out) if p.endswith(".png")]
-  assert "slo_attainment_vs_rps.png" in pngs and any(p.startswith("timeline-rotasched") for p in pngs)
+  # One load: bars per policy, not lone points on an RPS axis.
+  assert "attainment_bars.png" in pngs and "slo_attainment_vs_rps.png" not in pngs
+  assert any(p.startswith("timeline-rotasched") for p in pngs)
   assert "rotasched" in proc.stdout and "fcfs" in proc.stdout   # the comparison table
 
 

@@ -10,7 +10,8 @@ states the experiment in step units:
   * load: the real scheduler and block manager (``fcfs``, the job's pool, budgets and requests, all
     submitted at once, on a virtual clock) count the steps ``S`` the engine needs to serve the workload when
     it is never idle; ``capacity = N / (S * step_s)`` requests/s, and the job offers
-    ``rps = load_factor * capacity``. A mean-footprint formula was tried first and overestimated capacity
+    ``rps = load_factor * capacity`` (4 significant digits, so file names and rows carry the same number).
+    A mean-footprint formula was tried first and overestimated capacity
     2.8x: a few long prompts hog a small pool and cause head-of-line blocking, which only the real
     scheduling logic accounts for.
 
@@ -121,7 +122,7 @@ def derive(step_times_s: Sequence[float], prompt_lens: Sequence[int], output_len
       num_steps=int(st.size), num_requests=n, mean_prompt_len=float(np.mean(prompt_lens)),
       mean_output_len=float(np.mean(output_lens)), pool_tokens=int(pool_tokens),
       saturated_steps=int(num_steps_saturated), capacity_rps=capacity, load_factor=float(load_factor),
-      rps=load_factor * capacity, ttft_slo_steps=float(ttft_slo_steps), tbt_slo_steps=float(tbt_slo_steps),
+      rps=float(f"{load_factor * capacity:.4g}"), ttft_slo_steps=float(ttft_slo_steps), tbt_slo_steps=float(tbt_slo_steps),
       ttft_slo_s=ttft_slo_steps * step, tbt_slo_s=tbt_slo_steps * step, loadavg_1m=loadavg_1m,
       cpu_count=cpu_count if cpu_count is not None else os.cpu_count())
 

@@ -250,7 +250,8 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
     engine_config = engine_config.replace(ttft_slo=calibration.ttft_slo_s, tbt_slo=calibration.tbt_slo_s)
   ref_step = float(sorted(warm_steps)[len(warm_steps) // 2]) if warm_steps else None
   with open(os.path.join(spec.output_dir, "config.json"), "w") as f:
-    json.dump({"sweep": dataclasses.asdict(spec), "engine": engine_config.as_flat_dict(),
+    sweep = dict(dataclasses.asdict(spec), policies=policies, rps=spec.rps_values)  # lists, as parsed
+    json.dump({"sweep": sweep, "engine": engine_config.as_flat_dict(),
                "model_config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else str(cfg),
                "hardware": hardware, "rps": rps_values, "variants": variants,
                "calibration": calibration.as_dict() if calibration else None,

@@ -16,13 +16,14 @@ from superinfer_jax.metrics.results import (ENGINES, RESULTS_KEYS, RESULTS_SCHEM
                                             validate_results_row, write_jsonl)
 from superinfer_jax.metrics.timeline import (FINISHED, PREEMPTED, RUNNING, STATES, ROTARY, WAITING,
                                              RequestTimeline, TimelineRecorder, format_rps,
-                                             parse_requests_filename, read_timelines,
-                                             requests_filename, write_timelines)
+                                             parse_requests_filename, parse_requests_filename_full,
+                                             read_timelines, requests_filename, write_timelines)
 
 __all__ = [
     "compute_metrics", "latency_samples", "request_meets_slo", "summarize", "ENGINES", "RESULTS_KEYS",
     "RESULTS_SCHEMA", "append_results_row", "format_comparison_table", "print_comparison_table",
     "read_jsonl", "read_results", "results_row", "validate_results_row", "write_jsonl", "FINISHED",
     "PREEMPTED", "RUNNING", "STATES", "ROTARY", "WAITING", "RequestTimeline", "TimelineRecorder",
-    "format_rps", "parse_requests_filename", "read_timelines", "requests_filename", "write_timelines",
+    "format_rps", "parse_requests_filename", "parse_requests_filename_full", "read_timelines",
+    "requests_filename", "write_timelines",
 ]
