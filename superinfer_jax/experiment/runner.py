@@ -58,13 +58,13 @@ class SweepSpec:
   burstiness: float = knob(1.0, "gamma burstiness (vLLM convention: shape = burstiness)")
   warmup: bool = knob(True, "compile the step shapes (and measure the step time) before the timed runs")
   calibrate: bool = knob(False, "derive the load and the SLOs from this machine's measured step time")
-  load_factor: float = knob(2.0, "--calibrate: offered load as a multiple of the engine's capacity")
-  ttft_slo_steps: float = knob(30.0, "--calibrate: TTFT SLO in measured steps")
-  tbt_slo_steps: float = knob(4.0, "--calibrate: TBT SLO in measured steps")
-  drift_tolerance: float = knob(1.5, "flag a run whose median step time leaves [warm-up / x, warm-up * x]")
+  load_factor: float = knob(0.9, "--calibrate: offered load as a multiple of the engine's capacity")
+  ttft_slo_steps: float = knob(40.0, "--calibrate: TTFT SLO in measured steps")
+  tbt_slo_steps: float = knob(5.0, "--calibrate: TBT SLO in measured steps")
+  drift_tolerance: float = knob(1.25, "flag a run whose median step time leaves [warm-up / x, warm-up * x]")
   cpu_share_tolerance: float = knob(
-      1.25, "flag a run whose CPU seconds per wall second fall below the warm-up's / x (another process "
-            "took the CPU)")
+      1.15, "flag a run whose CPU seconds per wall second of stepping fall below the warm-up's / x (another "
+            "process took the CPU)")
   time_limit_s: Optional[float] = knob(None, "abort a run after this many seconds", none_as=0.0)
   hardware: Optional[str] = knob(None, "hardware label in results (default: the JAX device kind)",
                                  none_as="")
@@ -166,12 +166,13 @@ def _warm_up(model_tuple, engine_config, workload, progress: bool) -> tuple[int,
   for s in workload:
     engine.add_request(s.prompt_token_ids, SamplingParams(max_tokens=min(s.output_len, 24), ignore_eos=True))
   steps = []
-  cpu0, wall0 = time.process_time(), time.perf_counter()
+  cpu_s = 0.0
   while engine.has_unfinished():
-    ts = time.perf_counter()
+    ts, cs = time.perf_counter(), time.process_time()
     engine.step()
+    cpu_s += time.process_time() - cs
     steps.append(time.perf_counter() - ts)
-  cpu_share = (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)
+  cpu_share = cpu_s / max(sum(steps), 1e-9)
   if progress:
     print(f"[warm-up] {len(workload)} requests, {len(steps)} steps, {engine.num_compiled_shapes()} compiled "
           f"step shapes, {time.perf_counter() - t:.1f} s", flush=True)
@@ -276,7 +277,8 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
                             progress=spec.progress, time_limit_s=spec.time_limit_s)
       st = res.engine_stats
       drift = calib.step_drift(res.step_times_s, ref_step) if ref_step else None
-      cpu_share = res.cpu_s / res.duration_s if res.duration_s > 0 else None
+      busy = sum(res.step_times_s)
+      cpu_share = res.cpu_s / busy if busy > 0 else None  # CPU seconds per wall second inside step()
       cpu_drift = cpu_share / warm_cpu_share if cpu_share is not None and warm_cpu_share else None
       perturbed = (calib.is_perturbed(drift, spec.drift_tolerance)
                    or (cpu_drift is not None and cpu_drift < 1.0 / spec.cpu_share_tolerance))
