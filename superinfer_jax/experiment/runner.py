@@ -61,7 +61,7 @@ class SweepSpec:
   load_factor: float = knob(0.9, "--calibrate: offered load as a multiple of the engine's capacity")
   ttft_slo_steps: float = knob(40.0, "--calibrate: TTFT SLO in measured steps")
   tbt_slo_steps: float = knob(5.0, "--calibrate: TBT SLO in measured steps")
-  drift_tolerance: float = knob(1.25, "flag a run whose median step time leaves [warm-up / x, warm-up * x]")
+  drift_tolerance: float = knob(1.5, "flag a run whose median step time leaves [warm-up / x, warm-up * x]")
   cpu_share_tolerance: float = knob(
       1.15, "flag a run whose CPU seconds per wall second of stepping fall below the warm-up's / x (another "
             "process took the CPU)")
