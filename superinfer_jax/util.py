@@ -20,3 +20,14 @@ def next_power_of_2(n: int) -> int:
   ``next_power_of_2(5) == 8``, ``next_power_of_2(8) == 8``, ``next_power_of_2(0) == 1``.
   """
   return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def progress_bar(total: int, desc: str, enabled: bool = True, unit: str = "req"):
+  """A tqdm bar over ``total`` items (None when disabled or tqdm is missing): long runs show progress."""
+  if not enabled:
+    return None
+  try:
+    from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  return tqdm(total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True)

@@ -15,6 +15,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from superinfer_jax.metrics.timeline import RequestTimeline, TimelineRecorder
+from superinfer_jax.util import progress_bar
 
 
 @dataclasses.dataclass
@@ -29,16 +30,6 @@ class ReplayResult:
   step_times_s: list[float] = dataclasses.field(default_factory=list)  # wall time of every engine.step()
   loadavg_1m: tuple = (None, None)       # the machine's 1-minute load average at the start and the end
   cpu_s: float = 0.0                     # this process's CPU time inside engine.step() (all threads)
-
-
-def _progress_bar(total: int, desc: str, enabled: bool):
-  if not enabled:
-    return None
-  try:
-    from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    return None
-  return tqdm(total=total, desc=desc, unit="req", leave=False, dynamic_ncols=True)
 
 
 def _compilations(engine) -> tuple[Optional[int], Optional[int]]:
@@ -80,7 +71,7 @@ def replay_workload(engine, requests: Sequence[Any], *, desc: str = "replay", pr
   rejected: list[tuple[str, str]] = []
   live: set[str] = set()
   compiled_before = _compilations(engine)
-  bar = _progress_bar(len(pending), desc, progress)
+  bar = progress_bar(len(pending), desc, progress)
   load_start = _loadavg()
   cpu_s = 0.0
   step_times: list[float] = []

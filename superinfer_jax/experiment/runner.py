@@ -82,6 +82,15 @@ class SweepSpec:
                        f"{self.cpu_share_tolerance}")
     self.variants  # parses --vary (ValueError on a bad item)
 
+  def make_workload(self, tokenizer, rps: float, *, max_total_len: int, vocab_size: int):
+    """This sweep's workload at ``rps``: the same requests at every rate (only the arrivals differ)."""
+    from superinfer_jax.workload import make_workload  # pylint: disable=import-outside-toplevel
+    return make_workload(self.dataset, tokenizer, num_requests=self.num_requests, rps=rps, seed=self.seed,
+                         process=self.arrival_process, burstiness=self.burstiness, max_total_len=max_total_len,
+                         max_prompt_len=self.max_prompt_len, max_output_len=self.max_output_len,
+                         min_output_len=self.min_output_len, synthetic_prompt_len=self.synthetic_prompt_len,
+                         synthetic_output_len=self.synthetic_output_len, vocab_size=vocab_size)
+
   @property
   def policy_names(self) -> list[str]:
     return [p.strip() for p in self.policies.split(",") if p.strip()]
@@ -143,7 +152,7 @@ def _model_label(model: str) -> str:
   return os.path.basename(os.path.normpath(model)) if os.path.exists(model) else model
 
 
-def _fresh_output_dir(path: str) -> None:
+def fresh_output_dir(path: str) -> None:
   """Creates ``path``; an earlier run's non-empty directory is moved to ``<path>.prev-<time>`` first
   (nothing is overwritten or lost)."""
   if os.path.isdir(path) and os.listdir(path):
@@ -193,11 +202,10 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
   Returns the results rows (also appended to ``<output_dir>/results.jsonl``).
   """
   from superinfer_jax.engine.engine import LLMEngine  # pylint: disable=import-outside-toplevel
-  from superinfer_jax.workload import make_workload  # pylint: disable=import-outside-toplevel
   variants = spec.variants
   for v in variants:
     apply_variant(engine_config, v)  # fail before any work on a bad --vary
-  _fresh_output_dir(spec.output_dir)
+  fresh_output_dir(spec.output_dir)
   if model_tuple is None:
     from superinfer_jax.model import load_model, load_tokenizer  # pylint: disable=import-outside-toplevel
     cfg, params = load_model(spec.model, dtype=engine_config.model.dtype)
@@ -217,12 +225,7 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
   results_path = os.path.join(spec.output_dir, "results.jsonl")
 
   def workload_at(rps: float):
-    return make_workload(spec.dataset, tokenizer, num_requests=spec.num_requests, rps=rps, seed=spec.seed,
-                         process=spec.arrival_process, burstiness=spec.burstiness, max_total_len=max_len,
-                         max_prompt_len=spec.max_prompt_len, max_output_len=spec.max_output_len,
-                         min_output_len=spec.min_output_len,
-                         synthetic_prompt_len=spec.synthetic_prompt_len,
-                         synthetic_output_len=spec.synthetic_output_len, vocab_size=cfg.vocab_size)
+    return spec.make_workload(tokenizer, rps, max_total_len=max_len, vocab_size=cfg.vocab_size)
 
   rps_values = spec.rps_values
   base = workload_at(rps_values[0])   # the same requests at every rate (arrivals differ)

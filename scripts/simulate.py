@@ -1,0 +1,61 @@
+#!/usr/bin/env python
+"""Simulates a workload on the real scheduler with a cost model: policy x variant x RPS, results, plots.
+
+  python scripts/simulate.py --hardware=gh200 --model=llama-3-8b --dataset=sharegpt --num_requests=2400 \
+      --rps=40 --policies=fcfs,rotasched --output_dir=runs/sim-gh200
+  python scripts/simulate.py --hardware=h200 --model=qwen2.5-32b --rps=5,10,20 --vary=transfer_mode:naive,duplex
+  python scripts/simulate.py --hardware=gh200 --model=qwen2.5-32b --vary=swap_bandwidth_gbps:50,100,150
+
+Flags: the workload / sweep flags of scripts/run_experiment.py (``experiment.runner.SweepSpec``), the engine's
+config tree (``engine.config.EngineConfig``: pools, pipeline, --transfer_mode, --kv_layout, scheduler knobs)
+and the simulator's own (``sim.config.SimConfig``: --hardware, --model_profile, --swap_bandwidth_gbps,
+--tensor_parallel_size, --fixed_step_s). Defaults that differ from run_experiment.py (the paper's GPU
+setting, docs/paper.md §2.2 / §5): --model=llama-3-8b, --dtype=bfloat16, --num_device_blocks=0 (size the
+pool from the profile's HBM), --num_host_blocks=-1 with --host_gib=400, --max_num_seqs=16384 and
+--max_num_batched_tokens=16384. --calibrate is ignored (nothing is measured). See docs/simulator.md.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+from superinfer_jax import configtree  # noqa: E402
+from superinfer_jax.engine.config import define_engine_flags, engine_config_from_flags  # noqa: E402
+from superinfer_jax.experiment.runner import SweepSpec  # noqa: E402
+from superinfer_jax.sched.policies import POLICIES  # noqa: E402
+from superinfer_jax.sim.config import SimConfig  # noqa: E402
+from superinfer_jax.sim.runner import report, resolve_run, run_sim_sweep, validate_variants  # noqa: E402
+
+configtree.define_flags(SimConfig)   # first: --hardware is SimConfig's (SweepSpec.hardware shares it)
+configtree.define_flags(SweepSpec)
+define_engine_flags()
+
+SIM_DEFAULTS = dict(model="llama-3-8b", dtype="bfloat16", num_device_blocks=0, num_host_blocks=-1,
+                    host_gib=400.0, max_num_seqs=16384, max_num_batched_tokens=16384,
+                    output_dir="runs/sim")
+for _name, _value in SIM_DEFAULTS.items():
+  flags.FLAGS.set_default(_name, _value)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    sim_config = configtree.from_flags(SimConfig)
+    spec = configtree.from_flags(SweepSpec)
+    config = engine_config_from_flags()
+    unknown = [p for p in spec.policy_names if p not in POLICIES]
+    if unknown:
+      raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    validate_variants(spec, config, sim_config)
+    resolve_run(config, sim_config, spec.model)   # profiles load, the model fits the device
+  except ValueError as e:   # ProfileError and ConfigError too
+    sys.exit(f"simulate: {e}")
+  rows = run_sim_sweep(spec, config, sim_config)
+  print(report(spec.output_dir, rows))
+
+
+if __name__ == "__main__":
+  app.run(main)

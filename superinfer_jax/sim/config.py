@@ -1,0 +1,56 @@
+"""``SimConfig``: the simulator's own settings (hardware and model profiles, link override, TP), as knobs.
+
+Each field is declared once with ``configtree.knob`` and becomes a flag of ``scripts/simulate.py`` like every
+other setting; the engine's settings (pools, pipeline, transfer mode, layout, scheduler knobs) come from the
+one ``EngineConfig`` tree and the workload's from ``experiment.runner.SweepSpec``. ``--hardware`` is shared
+with ``SweepSpec.hardware`` (the results' hardware label): in the simulator the profile's name is the label.
+Frozen, validated at construction (``ValueError`` naming the field). No JAX.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from superinfer_jax import configtree
+from superinfer_jax.configtree import knob
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+  """What the simulator needs beyond the engine config and the workload."""
+  hardware: str = knob("h200", "hardware profile: a name in configs/hardware/ (gh200, h200, a100-80gb, cpu) "
+                               "or a JSON path; the simulator writes its name as the results' hardware")
+  model_profile: Optional[str] = knob(
+      None, "model shape for the cost model: a name in configs/models/ or a config path (unset: --model)",
+      none_as="")
+  swap_bandwidth_gbps: float = knob(
+      0.0, "override of the host link: scale its curves so the per-direction plateau is this many GB/s "
+           "(the duplex cap scales alike; 0: the profile's)")
+  tensor_parallel_size: int = knob(1, "tensor-parallel GPUs: bytes and FLOPs / TP plus 2 all-reduces per layer")
+  fixed_step_s: float = knob(0.0, "every model step takes this many seconds instead of the roofline's time "
+                                  "(0: the roofline; transfers are still modelled)")
+
+  def __post_init__(self):
+    if not isinstance(self.hardware, str) or not self.hardware:
+      raise ValueError(f"SimConfig.hardware must be a profile name or path, got {self.hardware!r}")
+    if self.model_profile is not None and (not isinstance(self.model_profile, str) or not self.model_profile):
+      raise ValueError(f"SimConfig.model_profile must be None or a name / path, got {self.model_profile!r}")
+    for name in ("swap_bandwidth_gbps", "fixed_step_s"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"SimConfig.{name} must be a finite number >= 0, got {v!r}")
+    v = self.tensor_parallel_size
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      raise ValueError(f"SimConfig.tensor_parallel_size must be an int >= 1, got {v!r}")
+
+  @classmethod
+  def create(cls, **settings) -> "SimConfig":
+    return configtree.build(cls, settings)
+
+  def replace(self, **settings) -> "SimConfig":
+    """A copy with the given settings changed (also what ``experiment.runner.apply_variant`` calls)."""
+    return configtree.build(type(self), settings, base=self)
+
+  def as_flat_dict(self) -> dict:
+    return configtree.as_flat_dict(self)

@@ -1,0 +1,314 @@
+"""The discrete-event loop: the real ``Scheduler`` and ``BlockManager`` on a ``VirtualClock``, a cost model
+for each step's duration, the same per-request timelines as the real engine's replay.
+
+Nothing here decides anything: every plan comes from ``Scheduler.schedule`` and every finish from
+``Scheduler.on_step_done`` (lengths only: ``new_tokens=None``), called in the order ``LLMEngine`` calls them
+(``engine/engine.py``), and this module only adds up time.
+
+Time. The clock is the host's: plans are made, and state changes stamped, at its reading; a step's tokens
+are stamped when the step ends (the engine stamps them at read-back). With ``pipeline`` off, one iteration
+is ``schedule()`` -> copies (``X`` s) -> model step (``C`` s) -> ``on_step_done`` at ``t + X + C``. With
+``pipeline`` on, one iteration is one ``LLMEngine._step_pipelined`` call: with step k in flight (dispatched,
+ending at ``end_k``), plan k+1 with ``schedule(lookahead=True)`` at the host's time and start its copies
+(on a link that is busy until the previous copies finish), advance to ``end_k``, ``on_step_done(k)``, drop
+the requests that finished at k from plan k+1's batch, and dispatch k+1: it starts when both step k and its
+copies are done, so only the part of the copies that exceeds the step in flight is exposed. If the pipe
+is empty (first step, or a plan whose batch was dropped entirely) the iteration plans without lookahead and
+dispatches, and the copies of that plan are fully exposed. A plan whose batch is empty is completed at once,
+as the engine does; the host then spends ``cost.empty_step_s``. When no request is live the clock jumps to
+the next arrival. Arrivals are added before each iteration (``experiment/replay.py`` adds them between
+``engine.step()`` calls) with their scheduled time as the arrival time.
+
+The cost model is any object with ``step_time(seqs) -> s`` (the dispatched ``ScheduledSeq``s),
+``transfer_time(blocks_out, blocks_in) -> s`` (D2H = swap-out + write-back blocks) and ``empty_step_s``;
+``RooflineCost`` is the real one (``cost.py`` + ``transfer.py``). No JAX.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from superinfer_jax.kv.block_manager import BlockManager
+from superinfer_jax.kv.layout import KVCacheSpec
+from superinfer_jax.metrics.timeline import PREEMPTED, ROTARY, RUNNING, RequestTimeline, TimelineRecorder
+from superinfer_jax.sched import Request, Scheduler, VirtualClock
+from superinfer_jax.sim import cost as cost_lib
+from superinfer_jax.sim import transfer as transfer_lib
+from superinfer_jax.util import progress_bar
+
+MAX_IDLE_PLANS = 100_000   # consecutive plans without work or tokens while requests are live -> stuck
+
+
+class RooflineCost:
+  """The cost model of ``cost.py`` (step roofline) and ``transfer.py`` (copies) for one run.
+
+  Args:
+    model: ``cost.ModelProfile``; hw: ``profiles.HardwareProfile`` (already with any bandwidth override);
+    kv_spec: the KV layout the copies move (``KVCacheSpec``, dtype and layout included);
+    transfer_mode: naive | merged | duplex; tensor_parallel_size: TP degree;
+    fixed_step_s: > 0 replaces the roofline by a constant step time (transfers still modelled).
+  """
+
+  def __init__(self, model: cost_lib.ModelProfile, hw, kv_spec: KVCacheSpec, transfer_mode: str, *,
+               tensor_parallel_size: int = 1, fixed_step_s: float = 0.0):
+    if transfer_mode not in transfer_lib.MODES:
+      raise ValueError(f"unknown transfer mode {transfer_mode!r}; known: {transfer_lib.MODES}")
+    self.model = model
+    self.hw = hw
+    self.kv_spec = kv_spec
+    self.transfer_mode = transfer_mode
+    self.tensor_parallel_size = tensor_parallel_size
+    self.fixed_step_s = fixed_step_s
+    self.empty_step_s = hw.step_overhead_s if hw.step_overhead_s > 0 else 1e-4
+    self.block_bytes = kv_spec.block_bytes
+
+  def step_time(self, seqs: Sequence) -> float:
+    if self.fixed_step_s > 0:
+      return self.fixed_step_s
+    return cost_lib.step_time(cost_lib.batch_shape(seqs), self.model, self.hw, self.tensor_parallel_size)
+
+  def transfer_time(self, blocks_out: int, blocks_in: int) -> float:
+    return transfer_lib.transfer_time(blocks_out, blocks_in, self.kv_spec, self.hw.link, self.transfer_mode)
+
+
+@dataclasses.dataclass
+class SimResult:
+  """What one simulated run produced. Times are seconds on the virtual clock (starting at 0)."""
+  timelines: list[RequestTimeline]
+  duration_s: float                 # start -> last token (or the time limit)
+  counters: dict[str, Any]
+  step_times_s: list[float]         # each model step: its compute plus the copy time it waited for
+  rejected: list[tuple[str, str]]   # (request id, error) refused by add_request
+  wall_s: float                     # real seconds the simulation took
+  timed_out: bool = False
+
+
+class Simulator:
+  """Drives ``scheduler`` (any ``SchedulerProtocol``; its clock must be ``clock``) through a workload.
+
+  ``block_bytes`` converts block counts into the bytes counters. ``plan_hook(plan)``, if given, sees every
+  plan right after ``schedule()`` returns it (tests compare them with a direct driver's).
+  """
+
+  def __init__(self, scheduler, clock: VirtualClock, cost, *, pipeline: bool = True, block_bytes: int = 0,
+               plan_hook: Optional[Callable[[Any], None]] = None):
+    self.sched = scheduler
+    self.clock = clock
+    self.cost = cost
+    self.pipeline = bool(pipeline)
+    self.block_bytes = int(block_bytes)
+    self.plan_hook = plan_hook
+
+  def run(self, requests: Sequence[Any], *, progress: bool = False, desc: str = "sim",
+          time_limit_s: Optional[float] = None) -> SimResult:
+    """Simulates ``requests`` (``workload.RequestSpec``s: ``request_id``, ``prompt_len``, ``output_len``,
+    ``arrival_s`` seconds after the start) to completion, or until ``time_limit_s`` of virtual time."""
+    wall0 = time.perf_counter()
+    sched, clock, cost = self.sched, self.clock, self.cost
+    pending = sorted(requests, key=lambda s: (s.arrival_s, str(s.request_id)))
+    n_pending = len(pending)
+    t0 = clock.now()
+    rec = TimelineRecorder()
+    token = rec.token
+    live: set = set()
+    rejected: list[tuple[str, str]] = []
+    bar = progress_bar(n_pending, desc, progress)
+    c = dict(plans=0, model_steps=0, rotations_out=0, rotations_in=0, blocks_out=0, blocks_writeback=0,
+             blocks_in=0, recompute_preemptions=0, round_trips=0, contended_steps=0, dropped_seqs=0,
+             transfer_s=0.0, exposed_transfer_s=0.0, residency_steps=0, residencies=0, empty_plans=0)
+    running_since: dict = {}
+    step_times: list[float] = []
+    state = dict(nxt=0, link_free=t0, last_token=t0, idle=0)
+
+    def arrivals(now: float) -> None:
+      i = state["nxt"]
+      while i < n_pending and t0 + pending[i].arrival_s <= now:
+        spec = pending[i]
+        i += 1
+        rid = str(spec.request_id)
+        arrival = t0 + spec.arrival_s
+        rec.add_request(rid, arrival, spec.prompt_len, target_output_len=spec.output_len,
+                        source=getattr(spec, "source", "") or "")
+        try:
+          sched.add_request(Request(rid, spec.prompt_len, spec.output_len, arrival))
+        except ValueError as e:
+          rejected.append((rid, str(e)))
+          if bar is not None:
+            bar.update(1)
+          continue
+        live.add(rid)
+      state["nxt"] = i
+
+    def planned(plan) -> float:
+      """Bookkeeping of a fresh plan (state changes at plan time, counters); returns its copy time."""
+      if self.plan_hook is not None:
+        self.plan_hook(plan)
+      t = plan.time
+      k = plan.step_id
+      c["plans"] += 1
+      if plan.rotated_out:
+        c["rotations_out"] += len(plan.rotated_out)
+        for rid in plan.rotated_out:
+          if rid in live:
+            rec.state(rid, t, ROTARY)
+            since = running_since.pop(rid, None)
+            if since is not None:
+              c["residency_steps"] += k - since
+              c["residencies"] += 1
+      if plan.preempted:
+        c["recompute_preemptions"] += len(plan.preempted)
+        for rid in plan.preempted:
+          if rid in live:
+            rec.state(rid, t, PREEMPTED)
+            running_since.pop(rid, None)
+      for ids in (plan.rotated_in, plan.admitted):
+        for rid in ids:
+          if rid in live:
+            rec.state(rid, t, RUNNING)
+            running_since[rid] = k
+      c["rotations_in"] += len(plan.rotated_in)
+      c["round_trips"] += len(plan.round_trips)
+      if plan.contention:
+        c["contended_steps"] += 1
+      n_out = len(plan.swap_out) + len(plan.writeback)
+      n_in = len(plan.swap_in)
+      if not (n_out or n_in):
+        return 0.0
+      c["blocks_out"] += len(plan.swap_out)
+      c["blocks_writeback"] += len(plan.writeback)
+      c["blocks_in"] += n_in
+      x = cost.transfer_time(n_out, n_in)
+      c["transfer_s"] += x
+      return x
+
+    def completed(plan, seqs, t: float) -> list:
+      """Step of ``plan`` (batch ``seqs``) ended at ``t``: tokens, ``on_step_done``, finishes."""
+      n_tok = 0
+      for s in seqs:
+        if s.sample:
+          token(s.req_id, t)
+          n_tok += 1
+      if n_tok:
+        state["last_token"] = t
+      done = sched.on_step_done(plan, None, None, now=t)
+      for rid in done:
+        rec.finish(rid, t, "length")
+        live.discard(rid)
+        running_since.pop(rid, None)
+      if done and bar is not None:
+        bar.update(len(done))
+      sched.pop_finished()
+      if n_tok or plan.has_work:
+        state["idle"] = 0
+      else:
+        state["idle"] += 1
+        c["empty_plans"] += 1
+        if state["idle"] > MAX_IDLE_PLANS and live:
+          raise RuntimeError(f"the scheduler made no progress for {MAX_IDLE_PLANS} plans with {len(live)} "
+                             f"requests live at t={t:.3f}s; stuck")
+      return done
+
+    def start_copies(now: float, x: float) -> float:
+      """Copies of ``x`` s issued at ``now`` on the (possibly busy) link; returns when they finish."""
+      if x <= 0:
+        return now
+      end = max(now, state["link_free"]) + x
+      state["link_free"] = end
+      return end
+
+    inflight = None   # (plan, dispatched seqs, end time of the step)
+    timed_out = False
+    try:
+      while True:
+        now = clock.now()
+        if time_limit_s is not None and now - t0 > time_limit_s:
+          timed_out = True
+          break
+        arrivals(now)
+        if inflight is None:
+          if not live:
+            if state["nxt"] >= n_pending:
+              break
+            clock.set(max(now, t0 + pending[state["nxt"]].arrival_s))
+            continue
+          plan = sched.schedule(lookahead=False) if self.pipeline else sched.schedule()
+          xfer_end = start_copies(now, planned(plan))
+          seqs = plan.scheduled
+          if not seqs:
+            clock.set(max(xfer_end, now + cost.empty_step_s))
+            completed(plan, (), clock.now())
+            continue
+          step = cost.step_time(seqs)
+          c["model_steps"] += 1
+          c["exposed_transfer_s"] += xfer_end - now
+          step_times.append(xfer_end - now + step)
+          if not self.pipeline:
+            clock.set(xfer_end + step)
+            completed(plan, seqs, clock.now())
+            continue
+          inflight = (plan, seqs, xfer_end + step)
+        # Step k is in flight: plan k+1 (lookahead) and start its copies, then complete k, then dispatch k+1.
+        nxt_plan = sched.schedule(lookahead=True)
+        xfer_end = start_copies(clock.now(), planned(nxt_plan))
+        plan, seqs, end = inflight
+        inflight = None
+        clock.set(end)
+        done = completed(plan, seqs, end)
+        seqs = nxt_plan.scheduled
+        if done and seqs:
+          gone = set(done)
+          kept = [s for s in seqs if s.req_id not in gone]
+          c["dropped_seqs"] += len(seqs) - len(kept)
+          seqs = kept
+        if not seqs:
+          completed(nxt_plan, (), end)   # nothing to dispatch: the engine completes the plan at once
+          continue
+        start = max(end, xfer_end)
+        step = cost.step_time(seqs)
+        c["model_steps"] += 1
+        c["exposed_transfer_s"] += start - end
+        step_times.append(start - end + step)
+        inflight = (nxt_plan, seqs, start + step)
+    finally:
+      if bar is not None:
+        bar.close()
+    bb = self.block_bytes
+    c["swap_out_bytes"] = (c["blocks_out"] + c["blocks_writeback"]) * bb
+    c["swap_in_bytes"] = c["blocks_in"] * bb
+    duration = (clock.now() - t0) if timed_out else (state["last_token"] - t0)
+    return SimResult(timelines=rec.timelines(), duration_s=max(duration, 1e-9), counters=c,
+                     step_times_s=step_times, rejected=rejected, wall_s=time.perf_counter() - wall0,
+                     timed_out=timed_out)
+
+
+def derived_counters(counters: dict[str, Any]) -> dict[str, Any]:
+  """Per-step figures of a run's counters (per plan, as the engine's ``rotations_per_step``)."""
+  plans = counters["plans"] or 1
+  return dict(
+      rotations_per_step=counters["rotations_out"] / plans,
+      rotations_in_per_step=counters["rotations_in"] / plans,
+      blocks_out_per_step=counters["blocks_out"] / plans,
+      blocks_writeback_per_step=counters["blocks_writeback"] / plans,
+      blocks_in_per_step=counters["blocks_in"] / plans,
+      bytes_out_per_step=counters["swap_out_bytes"] / plans,
+      bytes_in_per_step=counters["swap_in_bytes"] / plans,
+      mean_residency_steps=(counters["residency_steps"] / counters["residencies"]
+                            if counters["residencies"] else None),
+  )
+
+
+def simulate(requests: Sequence[Any], engine_config, cost, *, progress: bool = False, desc: str = "sim",
+             time_limit_s: Optional[float] = None, plan_hook=None) -> SimResult:
+  """One run: a fresh ``BlockManager`` + ``Scheduler`` from ``engine_config`` (pools must be set:
+  ``num_device_blocks`` and ``num_host_blocks`` not None) on a fresh ``VirtualClock``, ``engine_config.
+  pipeline`` as the engine's, driven by ``Simulator``. ``cost`` as in the module docstring."""
+  if engine_config.num_device_blocks is None or engine_config.num_host_blocks is None:
+    raise ValueError("simulate: num_device_blocks and num_host_blocks must be resolved (sim.runner sizes them "
+                     "from the hardware profile)")
+  clock = VirtualClock()
+  bm = BlockManager(engine_config.num_device_blocks, engine_config.num_host_blocks, engine_config.block_size)
+  sched = Scheduler(engine_config.scheduler, bm, clock)
+  sim = Simulator(sched, clock, cost, pipeline=engine_config.pipeline,
+                  block_bytes=getattr(cost, "block_bytes", 0), plan_hook=plan_hook)
+  return sim.run(requests, progress=progress, desc=desc, time_limit_s=time_limit_s)

@@ -1,0 +1,207 @@
+"""Policy x variant x RPS sweeps on the simulator (``scripts/simulate.py`` is a thin flag wrapper).
+
+The same sweep as ``experiment.runner.run_sweep`` (its ``SweepSpec`` flags, ``--vary``, the output layout:
+``results.jsonl`` with ``engine="sim"``, ``requests-<label>-<rps>.jsonl``, ``config.json``, plots), with the
+model step and the KV copies timed by the cost model instead of run. ``--vary`` may also sweep the
+simulator's own settings (``SimConfig``: ``swap_bandwidth_gbps``, ``tensor_parallel_size``, ``hardware``...).
+
+Differences from the real sweep, on purpose:
+  * ``--calibrate``, ``--warmup`` and the drift tolerances are ignored: nothing is measured (a note is
+    printed for ``--calibrate``); give ``--rps``, ``--ttft_slo`` and ``--tbt_slo``.
+  * A run is deterministic, so each (policy, variant, rps) runs once whatever ``--repeats`` says.
+  * Pools: ``--num_device_blocks`` unset (0) sizes the device pool from the profile's HBM
+    (``device_memory_fraction`` x HBM minus the weights, per GPU); ``--num_host_blocks`` unset sizes the
+    host pool as ``--host_gib``.
+  * Token counts of the real datasets come from the model's tokenizer when one can be loaded for
+    ``--model``, else from SmolLM2's (the only tokenizer packaged offline): a stand-in for the GPU models'
+    own tokenizers, whose counts differ by some tens of percent.
+  * ``--time_limit_s`` is virtual time.
+No JAX (``experiment.runner`` imports none at module level).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from superinfer_jax.experiment.runner import (SweepSpec, fresh_output_dir, apply_variant,  # noqa: F401
+                                              finish_report, variant_label)
+from superinfer_jax.metrics.results import RESULTS_SCHEMA, append_results_row, results_row
+from superinfer_jax.metrics.timeline import requests_filename, write_timelines
+from superinfer_jax.model.config import load_config
+from superinfer_jax.sim.config import SimConfig
+from superinfer_jax.sim.cost import ModelProfile, device_pool_blocks
+from superinfer_jax.sim.loop import RooflineCost, derived_counters, simulate
+from superinfer_jax.sim.profiles import load_hardware_profile
+
+GIB = 1 << 30
+STANDIN_TOKENIZER = "smollm2-135m"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSetup:
+  """Everything one simulated run is built from (resolved: pools sized, profiles loaded)."""
+  engine_config: Any
+  sim_config: SimConfig
+  hardware: Any          # profiles.HardwareProfile, with the bandwidth override applied
+  model: ModelProfile
+  cost: RooflineCost
+
+
+def model_profile(sim_config: SimConfig, model: str, dtype: str):
+  """(``ModelConfig``, the cost model's ``ModelProfile`` at ``dtype``) of ``--model_profile`` (or ``--model``)."""
+  name = sim_config.model_profile or model
+  cfg = load_config(name)
+  label = os.path.basename(os.path.normpath(name)) if os.path.exists(name) else name
+  return cfg, ModelProfile.from_model_config(cfg, dtype=dtype, name=label)
+
+
+def resolve_run(engine_config, sim_config: SimConfig, model: str) -> RunSetup:
+  """Loads the profiles, sizes unset pools from the hardware profile, builds the cost model."""
+  hw = load_hardware_profile(sim_config.hardware).with_swap_bandwidth(sim_config.swap_bandwidth_gbps)
+  cfg, mp = model_profile(sim_config, model, engine_config.model.dtype)
+  spec = cfg.kv_spec(engine_config.block_size, engine_config.model.dtype, engine_config.rotation.kv_layout)
+  tp = sim_config.tensor_parallel_size
+  if tp > 1 and mp.num_kv_heads % tp:
+    raise ValueError(f"tensor_parallel_size {tp} does not divide the {mp.num_kv_heads} KV heads of {mp.name}")
+  changes = {}
+  if engine_config.num_device_blocks is None:
+    changes["num_device_blocks"] = device_pool_blocks(
+        mp, hw, spec.block_bytes, memory_fraction=engine_config.device_memory_fraction,
+        tensor_parallel_size=tp)
+  if engine_config.num_host_blocks is None:
+    changes["num_host_blocks"] = int(engine_config.host_gib * GIB // spec.block_bytes)
+  if changes:
+    engine_config = engine_config.replace(**changes)
+  cost = RooflineCost(mp, hw, spec, engine_config.rotation.transfer_mode, tensor_parallel_size=tp,
+                      fixed_step_s=sim_config.fixed_step_s)
+  return RunSetup(engine_config=engine_config, sim_config=sim_config, hardware=hw, model=mp, cost=cost)
+
+
+def split_variant(variant: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+  """(engine settings, simulator settings) of a ``--vary`` combination; ``ValueError`` for unknown names."""
+  sim_names = {f.name for f in dataclasses.fields(SimConfig)}
+  return ({k: v for k, v in variant.items() if k not in sim_names},
+          {k: v for k, v in variant.items() if k in sim_names})
+
+
+def validate_variants(spec: SweepSpec, engine_config, sim_config: SimConfig) -> None:
+  """``ValueError`` if a ``--vary`` item names an unknown setting or a value of the wrong type."""
+  for v in spec.variants:
+    eng_v, sim_v = split_variant(v)
+    apply_variant(engine_config, eng_v)
+    apply_variant(sim_config, sim_v)
+
+
+def _tokenizer(spec: SweepSpec, log):
+  if spec.dataset == "synthetic":
+    return None
+  from superinfer_jax.model.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+  try:
+    return load_tokenizer(spec.model)
+  except (FileNotFoundError, OSError, ValueError):
+    log(f"[sim] no tokenizer for {spec.model!r}: token counts come from {STANDIN_TOKENIZER}'s tokenizer "
+        f"(a stand-in; see docs/simulator.md)")
+    return load_tokenizer(STANDIN_TOKENIZER)
+
+
+def run_sim_sweep(spec: SweepSpec, engine_config, sim_config: SimConfig, *,
+                  log=print) -> list[dict[str, Any]]:
+  """Simulates every (policy, variant, rps) of ``spec``; returns the rows (also in ``results.jsonl``)."""
+  variants = spec.variants
+  validate_variants(spec, engine_config, sim_config)   # fail before any work on a bad --vary
+  if spec.calibrate:
+    log("[sim] --calibrate is ignored by the simulator (nothing to measure): the load is --rps and the SLOs "
+        "are --ttft_slo / --tbt_slo")
+  if spec.repeats > 1:
+    log(f"[sim] a simulated run is deterministic: each (policy, variant, rps) runs once, not {spec.repeats} times")
+  base = resolve_run(engine_config, sim_config, spec.model)
+  mcfg = load_config(sim_config.model_profile or spec.model)
+  max_len = min(base.engine_config.model.max_model_len or mcfg.max_position_embeddings,
+                mcfg.max_position_embeddings,
+                base.engine_config.num_device_blocks * base.engine_config.block_size)
+  tokenizer = _tokenizer(spec, log)
+  fresh_output_dir(spec.output_dir)
+  results_path = os.path.join(spec.output_dir, "results.jsonl")
+
+  def workload_at(rps: float):
+    return spec.make_workload(tokenizer, rps, max_total_len=max_len, vocab_size=mcfg.vocab_size)
+
+  rps_values = spec.rps_values
+  with open(os.path.join(spec.output_dir, "config.json"), "w") as f:
+    sweep = dict(dataclasses.asdict(spec), policies=spec.policy_names, rps=rps_values)
+    json.dump({"engine_kind": "sim", "sweep": sweep, "engine": base.engine_config.as_flat_dict(),
+               "sim": sim_config.as_flat_dict(), "hardware": dataclasses.asdict(base.hardware),
+               "model_profile": dataclasses.asdict(base.model), "rps": rps_values, "variants": variants,
+               "max_total_len": max_len}, f, indent=2, default=str)
+  rows = []
+  run_index = 0
+  for rps in rps_values:
+    requests = workload_at(rps)
+    for policy in spec.policy_names:
+      for variant in variants:
+        label = variant_label(policy, variant)
+        eng_v, sim_v = split_variant(variant)
+        setup = resolve_run(apply_variant(engine_config.replace(policy=policy), eng_v),
+                            apply_variant(sim_config, sim_v), spec.model)
+        res = simulate(requests, setup.engine_config, setup.cost, progress=spec.progress,
+                       desc=f"{label} @ {rps:.3g} rps", time_limit_s=spec.time_limit_s)
+        row = _row(spec, setup, res, label, policy, variant, rps, run_index)
+        append_results_row(results_path, row)
+        write_timelines(os.path.join(spec.output_dir, requests_filename(label, rps)), res.timelines)
+        rows.append(row)
+        run_index += 1
+        if spec.progress:
+          log(f"[{label} @ {rps:.3g} rps] finished {row['num_finished']}/{row['num_requests']}, SLO attainment "
+              f"{row['slo_attainment']:.2f}, rotations {row['num_rotations']} ({row['rotations_per_step']:.2f}"
+              f"/step), exposed transfer {row['exposed_transfer_s']:.3f} s of {row['duration_s']:.1f} s "
+              f"simulated, {res.wall_s:.1f} s wall")
+  return rows
+
+
+def _row(spec: SweepSpec, setup: RunSetup, res, label: str, policy: str, variant: dict, rps: float,
+         run_index: int) -> dict[str, Any]:
+  cfg = setup.engine_config
+  c = res.counters
+  steps = sorted(res.step_times_s)
+  extra = {
+      "num_device_blocks": cfg.num_device_blocks, "num_host_blocks": cfg.num_host_blocks,
+      "block_size": cfg.block_size, "block_bytes": setup.cost.block_bytes,
+      "rotations_in": c["rotations_in"], "blocks_out": c["blocks_out"],
+      "blocks_writeback": c["blocks_writeback"], "blocks_in": c["blocks_in"], "steps": c["plans"],
+      "model_steps": c["model_steps"], "round_trips": c["round_trips"],
+      "contended_steps": c["contended_steps"], "dropped_seqs": c["dropped_seqs"],
+      "transfer_s": c["transfer_s"], "exposed_transfer_s": c["exposed_transfer_s"],
+      "exposed_transfer_share": c["exposed_transfer_s"] / res.duration_s,
+      "step_time_p50_s": steps[len(steps) // 2] if steps else None,
+      "step_time_p90_s": steps[int(0.9 * (len(steps) - 1))] if steps else None,
+      "num_rejected": len(res.rejected), "timed_out": res.timed_out, "sim_wall_s": res.wall_s,
+      "base_policy": policy, "variant": variant or None, "run_index": run_index,
+      "pipeline": cfg.pipeline, "dtype": cfg.model.dtype, "transfer_mode": cfg.rotation.transfer_mode,
+      "kv_layout": cfg.rotation.kv_layout, "min_residency": cfg.scheduler.min_residency,
+      "proactive_swap_budget": cfg.scheduler.proactive_swap_budget, "writeback": cfg.scheduler.writeback,
+      "max_num_seqs": cfg.scheduler.max_num_seqs,
+      "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+      "hardware_profile": setup.hardware.name, "model_profile": setup.model.name,
+      "link": setup.hardware.link.name, "swap_bandwidth_gbps": setup.hardware.link.plateau_gbps,
+      "tensor_parallel_size": setup.sim_config.tensor_parallel_size,
+      "fixed_step_s": setup.sim_config.fixed_step_s or None, "dataset": spec.dataset,
+  }
+  extra.update(derived_counters(c))
+  flat = {**cfg.as_flat_dict(), **setup.sim_config.as_flat_dict()}
+  extra.update({name: flat[name] for name in variant if name not in RESULTS_SCHEMA})   # as applied
+  return results_row(
+      res.timelines, engine="sim", model=setup.model.name, hardware=setup.hardware.name, policy=label,
+      rps=rps, ttft_slo_s=cfg.scheduler.ttft_slo, tbt_slo_s=cfg.scheduler.tbt_slo,
+      num_rotations=c["rotations_out"], swap_out_bytes=c["swap_out_bytes"], swap_in_bytes=c["swap_in_bytes"],
+      num_recompute_preemptions=c["recompute_preemptions"], duration_s=res.duration_s, extra=extra)
+
+
+def report(output_dir: str, rows) -> str:
+  """Plots + the comparison table (``experiment.runner.finish_report``)."""
+  return finish_report(output_dir, rows)
+
+
+__all__ = ["RunSetup", "model_profile", "resolve_run", "run_sim_sweep", "report", "split_variant",
+           "validate_variants"]
