@@ -68,7 +68,9 @@ class Calibration:
         f"{self.saturated_steps} steps on the {self.pool_tokens}-token device pool -> capacity "
         f"{self.capacity_rps:.3f} req/s; offered {self.load_factor:g} x capacity = {self.rps:.3f} req/s "
         f"(memory contention by design)",
-    ])
+    ] + ([f"[calibrate] note: load average {la} >= {self.cpu_count} CPUs: other work shares this machine; the "
+          f"step time (so the load and SLOs) reflects it, and runs that get quieter will be flagged"]
+         if self.loadavg_1m is not None and self.cpu_count and self.loadavg_1m >= self.cpu_count else []))
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
