@@ -9,10 +9,12 @@
 Flags: the workload / sweep flags of scripts/run_experiment.py (``experiment.runner.SweepSpec``), the engine's
 config tree (``engine.config.EngineConfig``: pools, pipeline, --transfer_mode, --kv_layout, scheduler knobs)
 and the simulator's own (``sim.config.SimConfig``: --hardware, --model_profile, --swap_bandwidth_gbps,
---tensor_parallel_size, --fixed_step_s). Defaults that differ from run_experiment.py (the paper's GPU
-setting, docs/paper.md §2.2 / §5): --model=llama-3-8b, --dtype=bfloat16, --num_device_blocks=0 (size the
-pool from the profile's HBM), --num_host_blocks=-1 with --host_gib=400, --max_num_seqs=16384 and
---max_num_batched_tokens=16384. --calibrate is ignored (nothing is measured). See docs/simulator.md.
+--tensor_parallel_size, --fixed_step_s, --trace, --trace_arrivals). ``--trace PATH`` replays an Azure LLM
+inference or Splitwise CSV (arrivals and lengths; format from the header) instead of --dataset. Defaults
+that differ from run_experiment.py (the paper's GPU setting, docs/paper.md §2.2 / §5): --model=llama-3-8b,
+--dtype=bfloat16, --num_device_blocks=0 (size the pool from the profile's HBM), --num_host_blocks=-1 with
+--host_gib=400, --max_num_seqs=16384 and --max_num_batched_tokens=16384. --calibrate is ignored (nothing is
+measured). See docs/simulator.md.
 """
 import os
 import sys
@@ -26,7 +28,8 @@ from superinfer_jax.engine.config import define_engine_flags, engine_config_from
 from superinfer_jax.experiment.runner import SweepSpec  # noqa: E402
 from superinfer_jax.sched.policies import POLICIES  # noqa: E402
 from superinfer_jax.sim.config import SimConfig  # noqa: E402
-from superinfer_jax.sim.runner import report, resolve_run, run_sim_sweep, validate_variants  # noqa: E402
+from superinfer_jax.sim.runner import (read_sim_trace, report, resolve_run, run_sim_sweep,  # noqa: E402
+                                      validate_variants)
 
 configtree.define_flags(SimConfig)   # first: --hardware is SimConfig's (SweepSpec.hardware shares it)
 configtree.define_flags(SweepSpec)
@@ -51,6 +54,8 @@ def main(argv):
       raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
     validate_variants(spec, config, sim_config)
     resolve_run(config, sim_config, spec.model)   # profiles load, the model fits the device
+    if sim_config.trace:
+      read_sim_trace(spec, sim_config)             # the trace parses (TraceError names the file and line)
   except ValueError as e:   # ProfileError and ConfigError too
     sys.exit(f"simulate: {e}")
   rows = run_sim_sweep(spec, config, sim_config)

@@ -68,7 +68,8 @@ def test_simulate_script_varies_engine_and_sim_settings(tmp_path):
 def test_simulate_script_flags_and_errors(tmp_path):
   proc = _run(["--helpfull"])   # absl prints the help and exits 1
   for flag in ("--hardware", "--model_profile", "--swap_bandwidth_gbps", "--tensor_parallel_size",
-               "--transfer_mode", "--kv_layout", "--[no]pipeline", "--rps", "--policies", "--vary"):
+               "--transfer_mode", "--kv_layout", "--[no]pipeline", "--rps", "--policies", "--vary", "--trace",
+               "--trace_arrivals"):
     assert flag in proc.stdout, flag
   bad = _run(SMALL + ["--hardware=tpu-v9", f"--output_dir={tmp_path / 'x'}"])
   assert bad.returncode != 0 and "no hardware profile" in bad.stderr

@@ -28,6 +28,15 @@ class SimConfig:
       0.0, "override of the host link: scale its curves so the per-direction plateau is this many GB/s "
            "(the duplex cap scales alike; 0: the profile's)")
   tensor_parallel_size: int = knob(1, "tensor-parallel GPUs: bytes and FLOPs / TP plus 2 all-reduces per layer")
+  trace: Optional[str] = knob(
+      None, "replay a recorded trace CSV instead of --dataset: Azure LLM inference "
+            "(TIMESTAMP,ContextTokens,GeneratedTokens) or Splitwise (arrived_at,num_prefill_tokens,"
+            "num_decode_tokens), told apart by the header; the first --num_requests requests within the "
+            "length filters", none_as="")
+  trace_arrivals: str = knob(
+      "recorded", "with --trace: 'recorded' replays the trace's own arrival times (--rps is ignored; the "
+                  "rows' rps is the trace's mean rate); 'rescale' stretches them to each --rps value, "
+                  "keeping the burstiness", choices=("recorded", "rescale"))
   fixed_step_s: float = knob(0.0, "every model step takes this many seconds instead of the roofline's time "
                                   "(0: the roofline; transfers are still modelled)")
 
@@ -36,6 +45,10 @@ class SimConfig:
       raise ValueError(f"SimConfig.hardware must be a profile name or path, got {self.hardware!r}")
     if self.model_profile is not None and (not isinstance(self.model_profile, str) or not self.model_profile):
       raise ValueError(f"SimConfig.model_profile must be None or a name / path, got {self.model_profile!r}")
+    if self.trace is not None and (not isinstance(self.trace, str) or not self.trace):
+      raise ValueError(f"SimConfig.trace must be None or a CSV path, got {self.trace!r}")
+    if self.trace_arrivals not in ("recorded", "rescale"):
+      raise ValueError(f"SimConfig.trace_arrivals must be 'recorded' or 'rescale', got {self.trace_arrivals!r}")
     for name in ("swap_bandwidth_gbps", "fixed_step_s"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-from typing import Any
+from typing import Any, Optional
 
 from superinfer_jax.experiment.runner import (SweepSpec, fresh_output_dir, apply_variant,  # noqa: F401
                                               finish_report, variant_label)
@@ -94,6 +95,15 @@ def validate_variants(spec: SweepSpec, engine_config, sim_config: SimConfig) -> 
     apply_variant(sim_config, sim_v)
 
 
+def read_sim_trace(spec: SweepSpec, sim_config: SimConfig, max_total_len: Optional[int] = None):
+  """(``Workload``, ``TraceInfo``) of ``--trace`` under the sweep's length filters and ``--num_requests``
+  (lengths only: no token ids). ``workload.TraceError`` (a ``ValueError``) for a bad file."""
+  from superinfer_jax.workload.traces import read_trace  # pylint: disable=import-outside-toplevel
+  return read_trace(sim_config.trace, num_requests=spec.num_requests, max_prompt_len=spec.max_prompt_len,
+                    max_output_len=spec.max_output_len, min_output_len=spec.min_output_len,
+                    max_total_len=max_total_len, token_ids=False, seed=spec.seed)
+
+
 def _tokenizer(spec: SweepSpec, log):
   if spec.dataset == "synthetic":
     return None
@@ -121,14 +131,31 @@ def run_sim_sweep(spec: SweepSpec, engine_config, sim_config: SimConfig, *,
   max_len = min(base.engine_config.model.max_model_len or mcfg.max_position_embeddings,
                 mcfg.max_position_embeddings,
                 base.engine_config.num_device_blocks * base.engine_config.block_size)
-  tokenizer = _tokenizer(spec, log)
+  rps_values = spec.rps_values
+  if sim_config.trace:
+    from superinfer_jax.workload.traces import rescale_to_rps  # pylint: disable=import-outside-toplevel
+    trace_w, info = read_sim_trace(spec, sim_config, max_total_len=max_len)
+    log(f"[sim] trace {info.path} ({info.format}): {info.kept} requests of {info.rows} rows "
+        f"({info.skipped_zero} with 0 tokens, {info.filtered} outside the length filters), "
+        f"{info.duration_s:.1f} s recorded, mean {info.mean_rps:.3g} rps")
+    if sim_config.trace_arrivals == "recorded":
+      if spec.rps != SweepSpec.rps:
+        log("[sim] --rps is ignored with --trace_arrivals=recorded (the trace's own arrivals are replayed)")
+      rps_values = [round(info.mean_rps, 6) if math.isfinite(info.mean_rps) else math.inf]
+
+      def workload_at(rps: float):
+        return trace_w
+    else:
+      def workload_at(rps: float):
+        return rescale_to_rps(trace_w, rps)
+  else:
+    tokenizer = _tokenizer(spec, log)
+
+    def workload_at(rps: float):
+      return spec.make_workload(tokenizer, rps, max_total_len=max_len, vocab_size=mcfg.vocab_size)
+
   fresh_output_dir(spec.output_dir)
   results_path = os.path.join(spec.output_dir, "results.jsonl")
-
-  def workload_at(rps: float):
-    return spec.make_workload(tokenizer, rps, max_total_len=max_len, vocab_size=mcfg.vocab_size)
-
-  rps_values = spec.rps_values
   with open(os.path.join(spec.output_dir, "config.json"), "w") as f:
     sweep = dict(dataclasses.asdict(spec), policies=spec.policy_names, rps=rps_values)
     json.dump({"engine_kind": "sim", "sweep": sweep, "engine": base.engine_config.as_flat_dict(),
@@ -186,7 +213,9 @@ def _row(spec: SweepSpec, setup: RunSetup, res, label: str, policy: str, variant
       "hardware_profile": setup.hardware.name, "model_profile": setup.model.name,
       "link": setup.hardware.link.name, "swap_bandwidth_gbps": setup.hardware.link.plateau_gbps,
       "tensor_parallel_size": setup.sim_config.tensor_parallel_size,
-      "fixed_step_s": setup.sim_config.fixed_step_s or None, "dataset": spec.dataset,
+      "fixed_step_s": setup.sim_config.fixed_step_s or None,
+      "dataset": setup.sim_config.trace or spec.dataset,
+      "trace_arrivals": setup.sim_config.trace_arrivals if setup.sim_config.trace else None,
   }
   extra.update(derived_counters(c))
   flat = {**cfg.as_flat_dict(), **setup.sim_config.as_flat_dict()}
@@ -203,5 +232,5 @@ def report(output_dir: str, rows) -> str:
   return finish_report(output_dir, rows)
 
 
-__all__ = ["RunSetup", "model_profile", "resolve_run", "run_sim_sweep", "report", "split_variant",
+__all__ = ["RunSetup", "model_profile", "read_sim_trace", "resolve_run", "run_sim_sweep", "report", "split_variant",
            "validate_variants"]

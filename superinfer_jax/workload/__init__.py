@@ -1,4 +1,5 @@
-"""Workloads: datasets (ShareGPT, LMSYS-style JSONL, SuperInfer/LTR traces, synthetic) and arrivals.
+"""Workloads: datasets (ShareGPT, LMSYS-style JSONL, SuperInfer/LTR traces, synthetic), recorded CSV traces
+(Azure LLM inference, Splitwise: ``traces.py``) and arrivals.
 
 Numpy and the standard library only (no JAX). Typical use::
 
@@ -15,6 +16,8 @@ from superinfer_jax.workload.datasets import (PromptPair, TruncatedFileInfo, bui
                                               dataset_pairs, detect_format, iter_json_array,
                                               load_dataset, lmsys_pairs, sharegpt_pairs, trace_pairs)
 from superinfer_jax.workload.synthetic import LengthDist, synthetic_workload
+from superinfer_jax.workload.traces import (TRACE_COLUMNS, TraceError, TraceInfo, detect_trace_format,
+                                            load_trace, read_trace, rescale_to_rps)
 from superinfer_jax.workload.types import RequestSpec, Workload, filter_requests
 
 __all__ = [
@@ -23,4 +26,6 @@ __all__ = [
     "poisson_arrivals", "PromptPair", "TruncatedFileInfo", "build_workload", "dataset_pairs",
     "detect_format", "iter_json_array", "load_dataset", "lmsys_pairs", "sharegpt_pairs", "trace_pairs",
     "LengthDist", "synthetic_workload", "make_workload", "RequestSpec", "Workload", "filter_requests",
+    "TRACE_COLUMNS", "TraceError", "TraceInfo", "detect_trace_format", "load_trace", "read_trace",
+    "rescale_to_rps",
 ]

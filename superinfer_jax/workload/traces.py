@@ -1,0 +1,204 @@
+"""Recorded request traces (CSV): arrivals and lengths of real serving logs, as a ``Workload``.
+
+Two formats, told apart by the header row:
+
+* **Azure LLM inference trace** (Azure Public Dataset, 2023/2024: ``AzureLLMInferenceTrace_{code,conv}.csv``):
+  ``TIMESTAMP,ContextTokens,GeneratedTokens``. ``TIMESTAMP`` is a date-time such as
+  ``2023-11-16 18:15:46.6805900`` (more than 6 fractional digits are truncated to microseconds; an ISO ``T``
+  and a trailing ``Z`` / UTC offset are accepted) or a number of seconds.
+* **Splitwise** (Patel et al., ISCA 2024 traces): ``arrived_at,num_prefill_tokens,num_decode_tokens``, with
+  ``arrived_at`` in seconds.
+
+Columns may come in any order and extra columns are ignored. Rows are sorted by arrival; times are made
+relative to the first request (which arrives at 0). A row with 0 context or 0 generated tokens cannot be a
+request (``RequestSpec`` needs >= 1 of each) and is skipped and counted; a row that does not parse is an
+error naming the file and line (``TraceError``, a ``ValueError``).
+
+Each request becomes a ``RequestSpec`` with ``prompt=""``, ``prompt_len`` = the recorded context tokens and
+``output_len`` = the recorded generated tokens; with ``token_ids=True`` its ``prompt_token_ids`` are
+synthetic ids of that length (seeded; their values mean nothing, only the length does). The simulator
+passes ``token_ids=False`` (it needs lengths only; a 20,000-request trace would otherwise hold tens of
+millions of ids).
+
+``rescale_to_rps`` keeps the recorded burstiness but stretches the time axis so the mean rate is a given
+RPS. Standard library and numpy only (no JAX).
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import math
+import os
+import re
+from typing import Optional
+
+import numpy as np
+
+from superinfer_jax.workload.types import RequestSpec, Workload, _keep
+
+AZURE = "azure"
+SPLITWISE = "splitwise"
+TRACE_COLUMNS = {
+    AZURE: ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
+    SPLITWISE: ("arrived_at", "num_prefill_tokens", "num_decode_tokens"),
+}
+
+
+class TraceError(ValueError):
+  """A trace file is missing, empty, of an unknown format, or has a row that does not parse."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceInfo:
+  """What reading a trace kept and dropped."""
+  path: str
+  format: str
+  rows: int                     # data rows read
+  skipped_zero: int             # rows with 0 context or 0 generated tokens
+  filtered: int                 # rows outside the length bounds
+  kept: int
+  duration_s: float             # first to last kept arrival (before any rescaling)
+
+  @property
+  def mean_rps(self) -> float:
+    """Mean arrival rate of the kept requests (requests / s); inf if they all arrive at once."""
+    if self.kept <= 1:
+      return math.inf
+    return (self.kept - 1) / self.duration_s if self.duration_s > 0 else math.inf
+
+
+def detect_trace_format(header: list[str], path: str = "<trace>") -> str:
+  """``azure`` | ``splitwise`` from a CSV header row; ``TraceError`` naming the expected headers."""
+  names = {h.strip() for h in header}
+  for fmt, cols in TRACE_COLUMNS.items():
+    if set(cols) <= names:
+      return fmt
+  expected = " or ".join(",".join(c) for c in TRACE_COLUMNS.values())
+  raise TraceError(f"{path}: unknown trace format: header {','.join(h.strip() for h in header)!r} has neither "
+                   f"the Azure nor the Splitwise columns (expected {expected})")
+
+
+_FRACTION = re.compile(r"(\.\d{6})\d+")
+
+
+def parse_timestamp(text: str) -> float:
+  """Seconds from a number or a date-time (``YYYY-MM-DD HH:MM:SS[.fffffff]``, ISO ``T``, ``Z`` / offset);
+  naive date-times are taken as UTC. ``ValueError`` if neither."""
+  s = text.strip()
+  try:
+    v = float(s)
+  except ValueError:
+    pass
+  else:
+    if not math.isfinite(v):
+      raise ValueError(f"timestamp {text!r} is not finite")
+    return v
+  s = _FRACTION.sub(r"\1", s)
+  if s.endswith("Z"):
+    s = s[:-1] + "+00:00"
+  dt = datetime.datetime.fromisoformat(s)
+  if dt.tzinfo is None:
+    dt = dt.replace(tzinfo=datetime.timezone.utc)
+  return dt.timestamp()
+
+
+def _count(text: str, col: str, where: str) -> int:
+  try:
+    v = float(text.strip())
+  except ValueError:
+    raise TraceError(f"{where}: {col} = {text!r} is not a number") from None
+  if not math.isfinite(v) or v < 0 or v != int(v):
+    raise TraceError(f"{where}: {col} = {text!r} is not a whole number >= 0")
+  return int(v)
+
+
+def read_trace(path: str, *, num_requests: Optional[int] = None, min_prompt_len: int = 1,
+               max_prompt_len: Optional[int] = None, min_output_len: int = 1,
+               max_output_len: Optional[int] = None, max_total_len: Optional[int] = None,
+               token_ids: bool = True, vocab_size: int = 32000, seed: int = 0,
+               name: Optional[str] = None) -> tuple[Workload, TraceInfo]:
+  """Reads an Azure or Splitwise trace CSV (module docstring) into a ``Workload``, arrivals relative to the
+  first kept request, plus a ``TraceInfo``. Length bounds as ``workload.filter_requests``; ``num_requests``
+  keeps the first N (by arrival) after filtering."""
+  if not os.path.isfile(path):
+    raise TraceError(f"trace {path!r} is not a file")
+  if num_requests is not None and num_requests < 1:
+    raise TraceError(f"num_requests must be >= 1, got {num_requests}")
+  with open(path, newline="", encoding="utf-8-sig") as f:
+    reader = csv.reader(f)
+    header = next((row for row in reader if any(c.strip() for c in row)), None)
+    if header is None:
+      raise TraceError(f"{path}: empty trace (no header row)")
+    fmt = detect_trace_format(header, path)
+    index = {h.strip(): i for i, h in enumerate(header)}
+    t_col, p_col, o_col = TRACE_COLUMNS[fmt]
+    ti, pi, oi = index[t_col], index[p_col], index[o_col]
+    need = max(ti, pi, oi)
+    rows = []
+    n_rows = skipped = 0
+    for row in reader:
+      if not any(c.strip() for c in row):
+        continue
+      n_rows += 1
+      where = f"{path}:{reader.line_num}"
+      if len(row) <= need:
+        raise TraceError(f"{where}: {len(row)} fields, the header has {len(header)}")
+      try:
+        t = parse_timestamp(row[ti])
+      except ValueError:
+        raise TraceError(f"{where}: {t_col} = {row[ti]!r} is neither seconds nor a date-time") from None
+      p, o = _count(row[pi], p_col, where), _count(row[oi], o_col, where)
+      if p == 0 or o == 0:
+        skipped += 1
+        continue
+      rows.append((t, n_rows, p, o))
+  if not n_rows:
+    raise TraceError(f"{path}: no data rows after the header")
+  rows.sort()
+  kept = [r for r in rows if _keep(r[2], r[3], min_prompt_len, max_prompt_len, min_output_len, max_output_len,
+                                   max_total_len)]
+  filtered = len(rows) - len(kept)
+  if num_requests is not None:
+    kept = kept[:num_requests]
+  if not kept:
+    raise TraceError(f"{path}: no request left ({n_rows} rows, {skipped} with 0 tokens, {filtered} outside "
+                     "the length bounds)")
+  t0 = kept[0][0]
+  rng = np.random.default_rng(seed)
+  lo = min(100, max(vocab_size - 1, 0))
+  label = name or os.path.splitext(os.path.basename(path))[0]
+  reqs = []
+  for i, (t, line, p, o) in enumerate(kept):
+    ids = tuple(rng.integers(lo, vocab_size, size=p).tolist()) if token_ids else None
+    reqs.append(RequestSpec(request_id=f"{label}-{i}", prompt="", prompt_len=p, output_len=o,
+                            arrival_s=float(t - t0), prompt_token_ids=ids, source=f"{fmt}:{label}:{line}"))
+  info = TraceInfo(path=path, format=fmt, rows=n_rows, skipped_zero=skipped, filtered=filtered, kept=len(reqs),
+                   duration_s=float(kept[-1][0] - t0))
+  return Workload(reqs, name=label), info
+
+
+def rescale_to_rps(workload: Workload, rps: float) -> Workload:
+  """The workload with its arrival times scaled so the mean rate is ``rps`` (``(n - 1) / last arrival``);
+  the relative gaps (burstiness) are kept. ``rps = inf``: everything at 0. A workload whose requests all
+  arrive at once (or only one request) is returned unchanged."""
+  if not rps > 0:
+    raise TraceError(f"rps must be > 0, got {rps}")
+  n = len(workload)
+  last = workload[n - 1].arrival_s if n else 0.0
+  if math.isinf(rps):
+    return workload.with_arrivals([0.0] * n)
+  if n <= 1 or last <= 0:
+    return workload
+  factor = ((n - 1) / rps) / last
+  return workload.with_arrivals([r.arrival_s * factor for r in workload])
+
+
+def load_trace(path: str, *, rps: Optional[float] = None, **kwargs) -> Workload:
+  """``read_trace`` then, if ``rps`` is given, ``rescale_to_rps``."""
+  w, _ = read_trace(path, **kwargs)
+  return rescale_to_rps(w, rps) if rps is not None else w
+
+
+__all__ = ["AZURE", "SPLITWISE", "TRACE_COLUMNS", "TraceError", "TraceInfo", "detect_trace_format",
+           "load_trace", "parse_timestamp", "read_trace", "rescale_to_rps"]
