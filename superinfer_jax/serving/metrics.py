@@ -1,0 +1,142 @@
+"""Prometheus metrics of the server (``GET /metrics``, prometheus-client text format).
+
+The engine thread updates them (``after_step`` snapshots the scheduler, the block manager and
+``EngineStats``; ``on_output`` / ``on_finish`` feed the latency histograms); the HTTP side only renders.
+
+==================================================  =====================================================
+metric                                              meaning
+==================================================  =====================================================
+superinfer_requests{state=waiting|running|rotary}   requests per scheduler state
+superinfer_requests_admitted                        requests accepted and not finished (vs --max_queue)
+superinfer_device_blocks{kind=used|total}           device KV pool blocks
+superinfer_host_blocks{kind=used|total}             host KV pool blocks
+superinfer_engine_steps_total                       engine steps
+superinfer_rotations_total{direction=out|in}        rotations of a request's KV to / from host
+superinfer_kv_bytes_moved_total{direction=d2h|h2d}  bytes moved by rotations and eager write-back
+superinfer_recompute_preemptions_total              recompute preemptions
+superinfer_generated_tokens_total                   output tokens
+superinfer_requests_finished_total{reason}          finished requests by reason (stop, length, abort, error)
+superinfer_requests_rejected_total{reason}          requests refused at admission (queue_full)
+superinfer_step_errors_total                        engine steps that raised
+superinfer_ttft_seconds / _tbt_ / _e2e_             histograms: arrival -> first token, token gaps,
+                                                    arrival -> last token (engine clock)
+==================================================  =====================================================
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LAT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ServerMetrics:
+
+  def __init__(self, worker_admitted=lambda: 0):
+    self.registry = CollectorRegistry()
+    self._lock = threading.Lock()
+    self._snap: dict[str, Any] = {}
+    self._admitted = worker_admitted
+    self._arrivals: dict[str, float] = {}
+    self._last_token: dict[str, float] = {}
+    self.ttft = Histogram("superinfer_ttft_seconds", "time to first token (arrival -> first token)",
+                          buckets=_LAT_BUCKETS, registry=self.registry)
+    self.tbt = Histogram("superinfer_tbt_seconds", "time between consecutive output tokens",
+                         buckets=_LAT_BUCKETS, registry=self.registry)
+    self.e2e = Histogram("superinfer_e2e_seconds", "end-to-end latency (arrival -> last token)",
+                         buckets=_LAT_BUCKETS, registry=self.registry)
+    self.finished = Counter("superinfer_requests_finished", "finished requests by reason", ["reason"],
+                            registry=self.registry)
+    self.rejected = Counter("superinfer_requests_rejected", "requests refused at admission", ["reason"],
+                            registry=self.registry)
+    self.step_errors = Counter("superinfer_step_errors", "engine steps that raised", registry=self.registry)
+    self.registry.register(_SnapshotCollector(self))
+
+  # Engine thread.
+  def on_arrival(self, rid: str, arrival: float) -> None:
+    self._arrivals[rid] = arrival
+
+  def on_output(self, o) -> None:
+    arrival = self._arrivals.get(o.request_id)
+    for t in o.timestamps:
+      last = self._last_token.get(o.request_id)
+      if last is None:
+        if arrival is not None:
+          self.ttft.observe(max(0.0, t - arrival))
+      else:
+        self.tbt.observe(max(0.0, t - last))
+      self._last_token[o.request_id] = t
+    if o.finished and arrival is not None and o.request_id in self._last_token:
+      self.e2e.observe(max(0.0, self._last_token[o.request_id] - arrival))
+
+  def on_finish(self, rid: str, reason: str) -> None:
+    self.finished.labels(reason=reason or "unknown").inc()
+    self._arrivals.pop(rid, None)
+    self._last_token.pop(rid, None)
+
+  def after_step(self, engine) -> None:
+    bm, sch, st = engine.block_manager, engine.scheduler, engine.stats
+    snap = dict(waiting=sch.num_waiting, running=sch.num_running, rotary=sch.num_rotary,
+                dev_total=bm.num_device_blocks, dev_free=bm.num_free_device_blocks,
+                host_total=bm.num_host_blocks, host_free=bm.num_free_host_blocks,
+                steps=st.steps, rot_out=st.rotations_out, rot_in=st.rotations_in, bytes_out=st.bytes_out,
+                bytes_in=st.bytes_in, recompute=st.recompute_preemptions, tokens=st.tokens_generated)
+    with self._lock:
+      self._snap = snap
+
+  def snapshot(self) -> dict:
+    with self._lock:
+      return dict(self._snap)
+
+  def render(self) -> bytes:
+    return generate_latest(self.registry)
+
+
+class _SnapshotCollector:
+  def __init__(self, m: ServerMetrics):
+    self.m = m
+
+  def collect(self):
+    s = self.m.snapshot()
+    g = GaugeMetricFamily("superinfer_requests", "requests per scheduler state", labels=["state"])
+    for state in ("waiting", "running", "rotary"):
+      g.add_metric([state], s.get(state, 0))
+    yield g
+    yield GaugeMetricFamily("superinfer_requests_admitted", "requests accepted and not finished",
+                            value=self.m._admitted())  # pylint: disable=protected-access
+    for name, total, free in (("device", "dev_total", "dev_free"), ("host", "host_total", "host_free")):
+      g = GaugeMetricFamily(f"superinfer_{name}_blocks", f"{name} KV pool blocks", labels=["kind"])
+      g.add_metric(["used"], s.get(total, 0) - s.get(free, 0))
+      g.add_metric(["total"], s.get(total, 0))
+      yield g
+    yield CounterMetricFamily("superinfer_engine_steps", "engine steps", value=s.get("steps", 0))
+    c = CounterMetricFamily("superinfer_rotations", "rotations of KV to / from host", labels=["direction"])
+    c.add_metric(["out"], s.get("rot_out", 0))
+    c.add_metric(["in"], s.get("rot_in", 0))
+    yield c
+    c = CounterMetricFamily("superinfer_kv_bytes_moved", "KV bytes moved (rotation + write-back)",
+                            labels=["direction"])
+    c.add_metric(["d2h"], s.get("bytes_out", 0))
+    c.add_metric(["h2d"], s.get("bytes_in", 0))
+    yield c
+    yield CounterMetricFamily("superinfer_recompute_preemptions", "recompute preemptions",
+                              value=s.get("recompute", 0))
+    yield CounterMetricFamily("superinfer_generated_tokens", "output tokens", value=s.get("tokens", 0))
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+  """``{'name{labels}': value}`` of a Prometheus text page (tests, bench)."""
+  out = {}
+  for line in text.splitlines():
+    if not line or line.startswith("#"):
+      continue
+    name, _, value = line.rpartition(" ")
+    try:
+      out[name] = float(value)
+    except ValueError:
+      pass
+  return out

@@ -1,0 +1,190 @@
+"""serving/ in process (no model, no subprocess): request validation, chat templates, and the engine
+thread's failure handling through the real app (starlette's TestClient) over a fake engine."""
+import json
+import types
+
+import pytest
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from superinfer_jax.engine.config import RequestOutput  # noqa: E402
+from superinfer_jax.engine.engine import EngineStats  # noqa: E402
+from superinfer_jax.serving import protocol as P  # noqa: E402
+from superinfer_jax.serving.app import build_app  # noqa: E402
+from superinfer_jax.serving.chat import FALLBACK_TEMPLATE, render_chat  # noqa: E402
+from superinfer_jax.serving.metrics import parse_metrics  # noqa: E402
+
+
+def test_parse_request_defaults_and_errors():
+  req, _ = P.parse_request({"prompt": "hi"}, "completion", ["m"])
+  assert req.model == "m" and req.max_tokens == 16 and req.temperature == 1.0 and not req.stream
+  req, msgs = P.parse_request({"model": "m", "messages": [{"role": "user", "content": [
+      {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "max_completion_tokens": 5,
+      "ttft_slo": 2.0, "tbt_slo": 0.1, "ignore_eos": True}, "chat", ["m"])
+  assert msgs == [{"role": "user", "content": "ab"}] and req.max_tokens == 5 and req.ttft_slo == 2.0
+  assert req.ignore_eos and req.request_id.startswith("chatcmpl-")
+  cases = [({"prompt": "x", "n": 2}, 400), ({"prompt": "x", "ttft_slo": 0}, 400), ({"prompt": "x", "top_k": -2}, 400),
+           ({"prompt": ["a", "b"]}, 400), ({"prompt": "x", "stop": [1]}, 400), ({"prompt": "x", "seed": -1}, 400),
+           ({"prompt": "x", "model": 3}, 400), ({"prompt": "x", "model": "other"}, 404),
+           ({"prompt": "x", "temperature": float("nan")}, 400)]
+  for body, status in cases:
+    with pytest.raises(P.APIError) as e:
+      P.parse_request(body, "completion", ["m"])
+    assert e.value.status == status, body
+    assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
+  with pytest.raises(P.APIError) as e:
+    P.check_lengths(req, 10, 12)
+  assert e.value.code == "context_length_exceeded"
+  req.max_tokens = None
+  assert P.check_lengths(req, 10, 12) == 2
+
+
+def test_chat_templates():
+  msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+  assert render_chat(None, msgs) == "system: be brief\nuser: hi\nassistant:"
+  assert render_chat(None, msgs, FALLBACK_TEMPLATE) == render_chat(types.SimpleNamespace(chat_template=None), msgs)
+  # A model template in the ChatML style (SmolLM2's), rendered as transformers does (trim/lstrip blocks).
+  chatml = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+            "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+            "{% endif %}")
+  out = render_chat(types.SimpleNamespace(chat_template=chatml), msgs)
+  assert out == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                 "<|im_start|>assistant\n")
+  from superinfer_jax.serving.chat import ChatTemplateError
+  with pytest.raises(ChatTemplateError, match="no system"):
+    render_chat(types.SimpleNamespace(chat_template="{{ raise_exception('no system') }}"), msgs)
+
+
+class FakeEngine:
+  """Token-id prompts only; each step emits one token per live request; ``fail_next`` makes step() raise."""
+
+  def __init__(self):
+    self.tokenizer = None
+    self.max_model_len = 64
+    self.model_config = types.SimpleNamespace(vocab_size=100)
+    self.stats = EngineStats()
+    self.block_manager = types.SimpleNamespace(num_device_blocks=8, num_free_device_blocks=8, num_host_blocks=0,
+                                               num_free_host_blocks=0, check_invariants=lambda: None)
+    self.scheduler = types.SimpleNamespace(num_waiting=0, num_running=0, num_rotary=0)
+    self.live = {}
+    self.final = []
+    self.fail_next = 0
+
+  def add_request(self, prompt, params, request_id, ttft_slo=None, tbt_slo=None):
+    self.live[request_id] = [params.max_tokens, 0]
+    self.block_manager.num_free_device_blocks -= 1
+
+  def abort(self, rid):
+    if rid in self.live:
+      del self.live[rid]
+      self.block_manager.num_free_device_blocks += 1
+      self.final.append(RequestOutput(rid, [], "", [], finished=True, finish_reason="abort"))
+
+  def has_unfinished(self):
+    return bool(self.live or self.final)
+
+  def get_request(self, rid):
+    return types.SimpleNamespace(arrival_time=0.0)
+
+  def release(self, rid):
+    pass
+
+  def step(self):
+    self.stats.steps += 1
+    if self.fail_next:
+      self.fail_next -= 1
+      raise RuntimeError("boom")
+    outs, self.final = self.final, []
+    for rid, st in list(self.live.items()):
+      st[1] += 1
+      done = st[1] >= st[0]
+      outs.append(RequestOutput(rid, [st[1]], f" t{st[1]}", [float(self.stats.steps)], finished=done,
+                                finish_reason="length" if done else None))
+      if done:
+        del self.live[rid]
+        self.block_manager.num_free_device_blocks += 1
+    return outs
+
+
+def _post(c, body, path="/v1/completions"):
+  return c.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
+def test_step_exception_fails_requests_with_500_and_server_keeps_serving():
+  eng = FakeEngine()
+  with TestClient(build_app(eng, ["fake"], max_queue=8)) as c:
+    r = _post(c, {"prompt": [1, 2], "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == " t1 t2 t3"
+    eng.fail_next = 1
+    r = _post(c, {"prompt": [1, 2], "max_tokens": 3})
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and err["code"] == "engine_error" and "boom" in err["message"]
+    eng.fail_next = 1
+    with c.stream("POST", "/v1/completions", json={"prompt": [1], "max_tokens": 3, "stream": True}) as s:
+      lines = [l for l in s.iter_lines() if l]
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["code"] == "engine_error"
+    r = _post(c, {"prompt": [1, 2], "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    h = c.get("/health", params={"check": 1}).json()
+    assert h["status"] == "ok" and h["step_errors"] == 2 and h["admitted"] == 0
+    assert h["device_blocks_free"] == 8
+    m = parse_metrics(c.get("/metrics").text)
+    assert m["superinfer_step_errors_total"] == 2 and m['superinfer_requests_finished_total{reason="error"}'] == 2
+
+
+def test_streaming_over_fake_engine_and_no_tokenizer_errors():
+  eng = FakeEngine()
+  with TestClient(build_app(eng, ["fake"], max_queue=8)) as c:
+    with c.stream("POST", "/v1/completions", json={"prompt": [1], "max_tokens": 3, "stream": True,
+                                                     "stream_options": {"include_usage": True}}) as s:
+      events = [l[6:] for l in s.iter_lines() if l.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"]) == " t1 t2 t3"
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+    r = _post(c, {"prompt": "text", "max_tokens": 3})   # no tokenizer: text prompts are refused
+    assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
+    r = _post(c, {"messages": [{"role": "user", "content": "x"}]}, "/v1/chat/completions")
+    assert r.status_code == 400
+    assert c.get("/v1/models").json()["data"][0]["id"] == "fake"
+
+
+def test_real_engine_recovers_from_a_failed_step(tmp_path):
+  """A real LLMEngine whose step raises once: the live requests get a 500, later ones are served, and the
+  block manager's invariants hold (the worker drains the aborted requests, or rebuilds the engine)."""
+  pytest.importorskip("transformers")
+  from superinfer_jax.engine.config import EngineConfig
+  from superinfer_jax.engine.engine import LLMEngine
+  from superinfer_jax.model.testing import save_tiny_hf_model
+  save_tiny_hf_model(str(tmp_path), "llama", max_position_embeddings=128)
+  cfg = EngineConfig.create(num_device_blocks=16, num_host_blocks=16, block_size=8, max_num_batched_tokens=32,
+                            token_bucket_floor=32, seq_bucket_floor=4, blocks_bucket_floor=8)
+  made = []
+
+  def factory():
+    made.append(1)
+    return LLMEngine(str(tmp_path), cfg)
+
+  eng = LLMEngine(str(tmp_path), cfg)
+  real = eng._complete
+  calls = {"n": 0}
+
+  def flaky(inflight):
+    calls["n"] += 1
+    if calls["n"] == 3:
+      raise RuntimeError("injected device failure")
+    return real(inflight)
+
+  eng._complete = flaky
+  with TestClient(build_app(eng, ["tiny"], max_queue=8, engine_factory=factory)) as c:
+    r = _post(c, {"prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
+    for _ in range(2):
+      r = _post(c, {"prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+      assert r.status_code == 200, r.text
+      assert r.json()["usage"]["completion_tokens"] == 8
+    h = c.get("/health", params={"check": 1}).json()
+    assert h["invariants"] == "ok" and h["device_blocks_free"] == 16 and h["step_errors"] == 1
+    print("engine rebuilt:", bool(made))

@@ -1,0 +1,432 @@
+"""scripts/serve.py end to end: a real server in a subprocess on a loopback port, a tiny random model with a
+word-level tokenizer, driven by the ``openai`` package and ``httpx``. Every wait is bounded."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from superinfer_jax.serving.metrics import parse_metrics  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 96
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+ENGINE_ARGS = ["--block_size=16", "--num_device_blocks=40", "--num_host_blocks=64", "--max_num_seqs=4",
+               "--max_num_batched_tokens=32", "--token_bucket_floor=32", "--seq_bucket_floor=4",
+               "--blocks_bucket_floor=32"]
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+MAX_QUEUE = 4
+
+
+def _word_tokenizer():
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers
+  vocab = {f"w{i}": i for i in range(VOCAB - 2)}
+  vocab["<s>"], vocab["</s>"] = VOCAB - 2, VOCAB - 1
+  tok = tokenizers.Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.decoder = decoders.WordPiece(prefix="##")
+  tok.add_special_tokens([tokenizers.AddedToken("<s>", special=True), tokenizers.AddedToken("</s>", special=True)])
+  return tok
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+  from superinfer_jax.model.testing import save_tiny_hf_model
+  from superinfer_jax.model.tokenizer import Tokenizer, save_tokenizer
+  d = str(tmp_path_factory.mktemp("tiny_llama_serve"))
+  save_tiny_hf_model(d, "llama", max_position_embeddings=512, vocab_size=VOCAB, bos_token_id=VOCAB - 2,
+                     eos_token_id=VOCAB - 1)
+  save_tokenizer(Tokenizer(backend=_word_tokenizer(), bos_id=VOCAB - 2, eos_ids=(VOCAB - 1,),
+                           chat_template=CHAT_TEMPLATE), d)
+  return d
+
+
+class Server:
+  def __init__(self, model_dir, tmp, extra=()):
+    self.port_file = os.path.join(tmp, f"port-{time.monotonic_ns()}")
+    self.log = open(os.path.join(tmp, f"server-{time.monotonic_ns()}.log"), "w+")
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), f"--model={model_dir}",
+           "--served_model_name=tiny", "--port=0", f"--port_file={self.port_file}", "--log_level=warning",
+           f"--max_queue={MAX_QUEUE}"] + ENGINE_ARGS + list(extra)
+    self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(self.port_file):
+      if self.proc.poll() is not None or time.monotonic() > deadline:
+        self.stop()
+        raise RuntimeError(f"server did not start:\n{self.output()}")
+      time.sleep(0.2)
+    with open(self.port_file) as f:
+      self.port = int(f.read())
+    self.url = f"http://127.0.0.1:{self.port}"
+    while True:
+      try:
+        if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+          break
+      except httpx.HTTPError:
+        pass
+      if self.proc.poll() is not None or time.monotonic() > deadline:
+        self.stop()
+        raise RuntimeError(f"server not healthy:\n{self.output()}")
+      time.sleep(0.2)
+
+  def output(self):
+    self.log.flush()
+    self.log.seek(0)
+    return self.log.read()[-5000:]
+
+  def stop(self):
+    if self.proc.poll() is None:
+      self.proc.kill()
+      self.proc.wait(30)
+    self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+  s = Server(model_dir, str(tmp_path_factory.mktemp("serve")))
+  yield s
+  s.stop()
+
+
+@pytest.fixture
+def client(server):
+  return openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=120, max_retries=0)
+
+
+def _generate_py(model_dir, prompt, max_tokens):
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "generate.py"), f"--model={model_dir}",
+                      f"--prompt={prompt}", f"--max_tokens={max_tokens}", "--json"] + ENGINE_ARGS,
+                     capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _metrics(server):
+  return parse_metrics(httpx.get(server.url + "/metrics", timeout=10).text)
+
+
+def _health_check(server):
+  r = httpx.get(server.url + "/health", params={"check": 1}, timeout=30)
+  assert r.status_code == 200, r.text
+  h = r.json()
+  assert h["invariants"] == "ok"
+  return h
+
+
+# ------------------------------------------------------------------------------------------ happy path
+
+def test_models_and_health(server, client):
+  assert [m.id for m in client.models.list().data] == ["tiny"]
+  h = _health_check(server)
+  assert h["device_blocks"] == 40 and h["device_blocks_free"] == 40
+
+
+def test_completion_stream_equals_nonstream_equals_generate(server, client, model_dir):
+  prompt, n = "w1 w2 w3 w4 w5", 12
+  full = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+                                   extra_body={"ignore_eos": True, "return_token_ids": True})
+  text = full.choices[0].text
+  assert full.choices[0].finish_reason == "length"
+  assert full.usage.prompt_tokens == 5 and full.usage.completion_tokens == n and full.usage.total_tokens == 5 + n
+  pieces, finish, usage = [], None, None
+  for ch in client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                                      stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+    if ch.choices:
+      pieces.append(ch.choices[0].text)
+      finish = ch.choices[0].finish_reason or finish
+    if ch.usage:
+      usage = ch.usage
+  assert "".join(pieces) == text and finish == "length" and usage.completion_tokens == n
+  ref = _generate_py(model_dir, prompt, n)
+  # generate.py stops at eos; the server run ignores it: compare up to generate.py's length.
+  k = len(ref["token_ids"])
+  assert full.choices[0].model_extra["token_ids"][:k] == ref["token_ids"]
+  if ref["finish_reason"] == "length":
+    assert text == ref["text"]
+  # Token-id prompts work too, and give the same greedy tokens.
+  ids = client.completions.create(model="tiny", prompt=[1, 2, 3, 4, 5], max_tokens=n, temperature=0,
+                                  extra_body={"ignore_eos": True})
+  assert ids.choices[0].text == text
+
+
+def test_chat_stream_equals_nonstream_equals_generate(server, client, model_dir):
+  msgs = [{"role": "system", "content": "w9"}, {"role": "user", "content": "w5 w6"}]
+  n = 10
+  full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=n, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+  assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
+  text = full.choices[0].message.content
+  assert full.usage.prompt_tokens == 3 and full.usage.completion_tokens == n
+  pieces, roles = [], []
+  for ch in client.chat.completions.create(model="tiny", messages=msgs, max_tokens=n, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True}):
+    for c in ch.choices:
+      if c.delta.role:
+        roles.append(c.delta.role)
+      pieces.append(c.delta.content or "")
+  assert roles == ["assistant"] and "".join(pieces) == text
+  ref = _generate_py(model_dir, "w9 w5 w6 ", n)     # the model's template: contents joined by spaces
+  assert full.choices[0].model_extra["token_ids"][:len(ref["token_ids"])] == ref["token_ids"]
+  if ref["finish_reason"] == "length":
+    assert ref["text"] == text
+
+
+def test_stop_and_seed(server, client):
+  base = client.completions.create(model="tiny", prompt="w1 w2", max_tokens=8, temperature=0,
+                                   extra_body={"ignore_eos": True})
+  words = base.choices[0].text.split()
+  assert len(words) >= 3
+  stopped = client.completions.create(model="tiny", prompt="w1 w2", max_tokens=8, temperature=0, stop=[words[2]],
+                                      extra_body={"ignore_eos": True})
+  assert stopped.choices[0].finish_reason == "stop" and words[2] not in stopped.choices[0].text.split()
+  a, b = (client.completions.create(model="tiny", prompt="w1 w2", max_tokens=8, temperature=1.0, seed=7,
+                                    extra_body={"ignore_eos": True}).choices[0].text for _ in range(2))
+  assert a == b
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+BAD = [
+    ("/v1/completions", b"{not json", 400, "invalid_json"),
+    ("/v1/completions", b"[1, 2]", 400, "invalid_json"),
+    ("/v1/completions", {"model": "tiny", "max_tokens": 4}, 400, "missing_required_parameter"),
+    ("/v1/chat/completions", {"model": "tiny"}, 400, "missing_required_parameter"),
+    ("/v1/completions", {"model": "tiny", "prompt": 5}, 400, "invalid_type"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w1", "max_tokens": "4"}, 400, "invalid_type"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w1", "temperature": "hot"}, 400, "invalid_type"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, 400, "invalid_type"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": 3}]}, 400, "invalid_type"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w1", "stream": "yes"}, 400, "invalid_type"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w1 " * 600}, 400, "context_length_exceeded"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w1", "max_tokens": 0}, 400, "invalid_value"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w1", "max_tokens": -3}, 400, "invalid_value"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w1", "max_tokens": 600}, 400, "context_length_exceeded"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w1", "temperature": -0.5}, 400, "invalid_value"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w1", "top_p": 0}, 400, "invalid_value"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w1", "top_p": 1.5}, 400, "invalid_value"),
+    ("/v1/completions", {"model": "tiny", "prompt": [1, 2, 999]}, 400, "invalid_value"),
+    ("/v1/completions", {"model": "nope", "prompt": "w1"}, 404, "model_not_found"),
+    ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "w1"}]}, 404,
+     "model_not_found"),
+    ("/v1/nothing", {}, 404, "not_found"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,code", BAD, ids=[f"{i}-{b[3]}" for i, b in enumerate(BAD)])
+def test_bad_input_then_success(server, client, path, body, status, code):
+  content = body if isinstance(body, bytes) else json.dumps(body).encode()
+  r = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, timeout=30)
+  assert r.status_code == status, r.text
+  err = r.json()["error"]
+  assert set(err) >= {"message", "type", "code"} and err["message"] and err["code"] == code
+  assert err["type"] == "invalid_request_error"
+  ok = client.completions.create(model="tiny", prompt="w1 w2", max_tokens=3, temperature=0)
+  assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_openai_client_sees_errors(client):
+  with pytest.raises(openai.NotFoundError):
+    client.completions.create(model="nope", prompt="w1", max_tokens=2)
+  with pytest.raises(openai.BadRequestError) as e:
+    client.completions.create(model="tiny", prompt="w1", max_tokens=2, temperature=-1)
+  assert "temperature" in str(e.value)
+
+
+# ------------------------------------------------------------------------- disconnect and overload
+
+def test_disconnect_mid_stream_frees_blocks(server):
+  before = _metrics(server).get('superinfer_requests_finished_total{reason="abort"}', 0.0)
+  body = {"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 480, "temperature": 0, "stream": True,
+          "ignore_eos": True}
+  with httpx.Client(timeout=60) as c:
+    with c.stream("POST", server.url + "/v1/completions", json=body) as r:
+      assert r.status_code == 200
+      n = 0
+      for line in r.iter_lines():
+        if line.startswith("data: "):
+          n += 1
+        if n >= 3:
+          break
+  deadline = time.monotonic() + 30
+  while True:
+    m = _metrics(server)
+    if (m.get('superinfer_requests_finished_total{reason="abort"}', 0.0) > before
+        and m['superinfer_device_blocks{kind="used"}'] == 0 and m['superinfer_requests{state="running"}'] == 0
+        and m["superinfer_requests_admitted"] == 0):
+      break
+    assert time.monotonic() < deadline, m
+    time.sleep(0.2)
+  h = _health_check(server)
+  assert h["device_blocks_free"] == h["device_blocks"] and h["running"] == h["waiting"] == h["rotary"] == 0
+
+
+def _wait_idle_after_aborts(server, before, at_least=1):
+  deadline = time.monotonic() + 30
+  while True:
+    m = _metrics(server)
+    if (m.get('superinfer_requests_finished_total{reason="abort"}', 0.0) >= before + at_least
+        and m['superinfer_device_blocks{kind="used"}'] == 0 and m["superinfer_requests_admitted"] == 0):
+      return m
+    assert time.monotonic() < deadline, m
+    time.sleep(0.2)
+
+
+def test_disconnect_non_streamed_request_aborts_it(server):
+  before = _metrics(server).get('superinfer_requests_finished_total{reason="abort"}', 0.0)
+  for _ in range(2):   # the second one runs on compiled shapes
+    t = time.monotonic()
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "w4 w5", "max_tokens": 500, "temperature": 0, "ignore_eos": True})
+    full_s = time.monotonic() - t
+    assert r.status_code == 200
+  with pytest.raises(httpx.TimeoutException):   # gone after a tenth of the time the request needs
+    httpx.post(server.url + "/v1/completions", timeout=full_s / 10, json={
+        "model": "tiny", "prompt": "w4 w5", "max_tokens": 500, "temperature": 0, "ignore_eos": True})
+  _wait_idle_after_aborts(server, before)
+  _health_check(server)
+
+
+def test_many_streams_cut_at_random_points(server):
+  import random
+  rng = random.Random(0)
+  before = _metrics(server).get('superinfer_requests_finished_total{reason="abort"}', 0.0)
+  cut = [0, 1, 5, 20]
+
+  def run(i):
+    with httpx.Client(timeout=60) as c:
+      with c.stream("POST", server.url + "/v1/completions", json={
+          "model": "tiny", "prompt": f"w{i + 3} w7", "max_tokens": 400, "temperature": 0.8, "seed": i,
+          "stream": True, "ignore_eos": True}) as r:
+        assert r.status_code == 200
+        for n, _ in enumerate(r.iter_lines()):
+          if n >= cut[i]:
+            break
+
+  for _ in range(2):
+    rng.shuffle(cut)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cut))]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(60)
+    assert not any(t.is_alive() for t in threads)
+  _wait_idle_after_aborts(server, before, at_least=2 * len(cut))
+  h = _health_check(server)
+  assert h["host_blocks_free"] == h["host_blocks"]
+  ok = httpx.post(server.url + "/v1/completions", timeout=60, json={"model": "tiny", "prompt": "w1", "max_tokens": 3})
+  assert ok.status_code == 200
+
+
+def test_overload_rejects_with_429_and_loses_nothing(server):
+  import asyncio
+
+  async def one(c, i):
+    r = await c.post(server.url + "/v1/completions", json={
+        "model": "tiny", "prompt": f"w{i + 1} w2", "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+    return r.status_code, r.json()
+
+  async def burst():
+    async with httpx.AsyncClient(timeout=120) as c:
+      return await asyncio.gather(*(one(c, i) for i in range(3 * MAX_QUEUE)))
+
+  results = asyncio.run(asyncio.wait_for(burst(), 180))
+  ok = [b for s, b in results if s == 200]
+  rejected = [b for s, b in results if s == 429]
+  assert len(ok) + len(rejected) == len(results), [s for s, _ in results]
+  assert len(ok) >= 1 and len(rejected) >= 1
+  for b in ok:
+    assert b["usage"]["completion_tokens"] == 24 and b["choices"][0]["finish_reason"] == "length"
+  for b in rejected:
+    assert b["error"]["code"] == "queue_full" and "max_queue" in b["error"]["message"]
+  h = _health_check(server)
+  assert h["admitted"] == 0 and h["device_blocks_free"] == h["device_blocks"]
+  m = _metrics(server)
+  assert m['superinfer_requests_rejected_total{reason="queue_full"}'] >= len(rejected)
+  for name in ('superinfer_requests{state="waiting"}', 'superinfer_host_blocks{kind="total"}',
+               'superinfer_rotations_total{direction="out"}', 'superinfer_kv_bytes_moved_total{direction="d2h"}',
+               "superinfer_recompute_preemptions_total", "superinfer_ttft_seconds_count",
+               "superinfer_tbt_seconds_count", "superinfer_e2e_seconds_count"):
+    assert name in m, name
+
+
+# ----------------------------------------------------------------------------------------- shutdown
+
+def test_sigterm_cancels_inflight_and_exits_cleanly(model_dir, tmp_path):
+  s = Server(model_dir, str(tmp_path), extra=["--shutdown_timeout=0.1"])
+  try:
+    got = {}
+    started = threading.Event()
+
+    def stream():
+      lines = got.setdefault("lines", [])
+      try:
+        with httpx.Client(timeout=60) as c:
+          with c.stream("POST", s.url + "/v1/completions", json={
+              "model": "tiny", "prompt": "w1", "max_tokens": 500, "temperature": 0, "stream": True,
+              "ignore_eos": True}) as r:
+            for line in r.iter_lines():
+              if line:
+                lines.append(line)
+                started.set()
+      except httpx.HTTPError as e:   # the connection closed under the stream: also an ending
+        got["error"] = repr(e)
+      finally:
+        started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(60)
+    s.proc.send_signal(signal.SIGTERM)
+    rc = s.proc.wait(60)
+    t.join(60)
+    assert not t.is_alive()
+    assert rc == 0, s.output()
+    assert "[serve] stopped on SIGTERM" in s.output()
+    lines = got["lines"]
+    assert lines and lines[0].startswith("data: ")
+    if lines[-1] == "data: [DONE]":
+      # It ended in-band: the last event before [DONE] is an error or the finished chunk.
+      last = json.loads(lines[-2][len("data: "):])
+      assert "error" in last or last["choices"][0]["finish_reason"]
+  finally:
+    s.stop()
+
+
+# ------------------------------------------------------------------------------------ bench_serving
+
+def test_bench_serving_against_server(model_dir, tmp_path):
+  from superinfer_jax.metrics import read_results, read_timelines, requests_filename, validate_results_row
+  s = Server(model_dir, str(tmp_path), extra=["--max_queue=64", "--policy=rotasched"])
+  try:
+    out = tmp_path / "bench"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_serving.py"),
+                        f"--base_url={s.url}/v1", f"--model={model_dir}", "--dataset=synthetic", "--num_requests=6",
+                        "--rps=20", "--synthetic_prompt_len=uniform:8,24", "--synthetic_output_len=uniform:6,12",
+                        "--ttft_slo=5", "--tbt_slo=1", "--label=rotasched", f"--output_dir={out}"],
+                       capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[bench] warm-up: 6/6" in r.stdout
+    rows = read_results(str(out / "results.jsonl"))
+    assert len(rows) == 1
+    row = rows[0]
+    validate_results_row(row)
+    assert row["engine"] == "http" and row["policy"] == "rotasched" and row["model"] == "tiny"
+    assert row["num_requests"] == 6 and row["num_finished"] == 6 and row["num_errors"] == 0
+    assert row["slo_attainment"] > 0 and row["num_rotations"] >= 0
+    tls = read_timelines(str(out / requests_filename("rotasched", 20.0)))
+    assert len(tls) == 6
+    for tl in tls:
+      assert tl.finish_reason == "length" and tl.output_len == tl.target_output_len
+      assert tl.token_times_s == sorted(tl.token_times_s) and tl.token_times_s[0] >= tl.arrival_s
+  finally:
+    s.stop()
