@@ -153,6 +153,22 @@ def test_pipeline_hides_copies_behind_the_step_in_flight():
   assert slow.counters["exposed_transfer_s"] > 0.3 * slow.counters["transfer_s"]
 
 
+def test_copies_that_share_the_steps_cores_are_not_hidden():
+  # A CPU profile (copies_overlap_compute false): a plan's copies start only when the step in flight ends,
+  # so the same 4 ms copies that the pipeline hid behind a 10 ms step are now all exposed.
+  reqs = _workload()
+  hidden = simulate(reqs, _config("rotasched", True), ConstCost(xfer=0.004))
+  shared = ConstCost(xfer=0.004)
+  shared.copies_overlap_compute = False
+  serial = simulate(reqs, _config("rotasched", True), shared)
+  assert serial.counters["transfer_s"] > 0
+  assert serial.counters["exposed_transfer_s"] > 0.9 * serial.counters["transfer_s"]
+  assert hidden.counters["exposed_transfer_s"] < 0.2 * hidden.counters["transfer_s"]
+  assert serial.duration_s > hidden.duration_s
+  assert load_hardware_profile("cpu").copies_overlap_compute is False
+  assert load_hardware_profile("gh200").copies_overlap_compute is True
+
+
 def test_time_limit_is_virtual_time():
   reqs = _workload(n=24, rps=5.0)
   res = simulate(reqs, _config("fcfs", True), ConstCost(), time_limit_s=1.0)

@@ -418,6 +418,9 @@ def build_profile(*, name: str, description: str, command: str, date: Optional[s
           f"{src}: no tensor parallelism on this machine; set to the measured copy launch cost")},
       "host_memory_gb": {"value": round(memory_gb, 3), "source": (
           f"{src}: physical memory (os.sysconf); device and host pools share it")},
+      "copies_overlap_compute": {"value": False, "source": (
+          f"{src}: on the CPU backend a KV copy is a memcpy on the same cores as the model step, so the "
+          f"simulator does not hide copies behind the step in flight")},
       "link": {
           "name": "host memcpy (device and host pools share DRAM), as DuplexKV moves it",
           "d2h_gbps_by_segment": {"points": curve(link_fit.naive_d2h_gbps, link_fit.d2h_gbps), "source": (

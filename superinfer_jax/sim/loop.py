@@ -61,6 +61,7 @@ class RooflineCost:
     self.tensor_parallel_size = tensor_parallel_size
     self.fixed_step_s = fixed_step_s
     self.empty_step_s = hw.step_overhead_s if hw.step_overhead_s > 0 else 1e-4
+    self.copies_overlap_compute = hw.copies_overlap_compute
     self.block_bytes = kv_spec.block_bytes
 
   def step_time(self, seqs: Sequence) -> float:
@@ -218,6 +219,7 @@ class Simulator:
       return end
 
     inflight = None   # (plan, dispatched seqs, end time of the step)
+    overlap = getattr(cost, "copies_overlap_compute", True)
     timed_out = False
     try:
       while True:
@@ -249,9 +251,11 @@ class Simulator:
             continue
           inflight = (plan, seqs, xfer_end + step)
         # Step k is in flight: plan k+1 (lookahead) and start its copies, then complete k, then dispatch k+1.
+        # (Where copies share the step's cores they start only once step k has finished.)
         nxt_plan = sched.schedule(lookahead=True)
-        xfer_end = start_copies(clock.now(), planned(nxt_plan))
+        x = planned(nxt_plan)
         plan, seqs, end = inflight
+        xfer_end = start_copies(clock.now() if overlap else max(end, clock.now()), x)
         inflight = None
         clock.set(end)
         done = completed(plan, seqs, end)

@@ -85,6 +85,10 @@ class HardwareProfile:
   tp_latency_s: float
   link: LinkProfile
   host_memory_gb: Optional[float] = None
+  # Whether KV copies run beside the model step (GPU copy engines) or take the same cores and wait for it
+  # (CPU: a memcpy competes with the matmuls): with False the simulator starts a plan's copies only when the
+  # step in flight has finished.
+  copies_overlap_compute: bool = True
   sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False, hash=False)
   path: str = dataclasses.field(default="", compare=False)
 
@@ -141,7 +145,7 @@ def profile_from_dict(d: Mapping[str, Any], path: str = "<dict>") -> HardwarePro
   where = f"hardware profile {path}"
   if not isinstance(d, Mapping):
     raise ProfileError(f"{where}: not a JSON object")
-  known = {"name", "description", "link"} | set(_TOP_NUMBERS) | set(_OPTIONAL_NUMBERS)
+  known = {"name", "description", "link", "copies_overlap_compute"} | set(_TOP_NUMBERS) | set(_OPTIONAL_NUMBERS)
   unknown = sorted(set(d) - known)
   if unknown:
     raise ProfileError(f"{where}: unknown field(s) {unknown}; known: {sorted(known)}")
@@ -160,6 +164,11 @@ def profile_from_dict(d: Mapping[str, Any], path: str = "<dict>") -> HardwarePro
     values[key] = _sourced_number(d[key], key, bounds, where, sources)
   for key, bounds in _OPTIONAL_NUMBERS.items():
     values[key] = _sourced_number(d[key], key, bounds, where, sources) if key in d else None
+  if "copies_overlap_compute" in d:
+    e = _sourced(d["copies_overlap_compute"], "copies_overlap_compute", where, sources)
+    if set(e) - {"value", "source"} or not isinstance(e.get("value"), bool):
+      raise ProfileError(f"{where}: copies_overlap_compute must be {{'value': true|false, 'source': ...}}")
+    values["copies_overlap_compute"] = e["value"]
   link = d["link"]
   if not isinstance(link, Mapping):
     raise ProfileError(f"{where}: link must be an object")
