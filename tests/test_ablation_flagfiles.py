@@ -25,14 +25,6 @@ TINY = ["--dataset=synthetic", "--num_requests=6", "--synthetic_prompt_len=unifo
         "--blocks_bucket_floor=8", "--repeats=1", "--noprogress"]
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-  from superinfer_jax.model.testing import save_tiny_hf_model
-  path = str(tmp_path_factory.mktemp("tiny_llama_ablation"))
-  save_tiny_hf_model(path, "llama", max_position_embeddings=256)
-  return path
-
-
 def _run(args, timeout=600):
   return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "run_experiment.py")] + args,
                         capture_output=True, text=True, timeout=timeout, cwd=ROOT,

@@ -16,14 +16,6 @@ SCRIPT = os.path.join(ROOT, "scripts", "calibrate.py")
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-  from superinfer_jax.model.testing import save_tiny_hf_model
-  path = str(tmp_path_factory.mktemp("tiny_llama"))
-  save_tiny_hf_model(path, "llama", max_position_embeddings=512)
-  return path
-
-
 def _smol():
   from superinfer_jax.model.config import load_config
   return ModelProfile.from_model_config(load_config("smollm2-135m"), dtype="float32")

@@ -14,14 +14,6 @@ from superinfer_jax.metrics.timeline import read_timelines, requests_filename
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-  from superinfer_jax.model.testing import save_tiny_hf_model
-  path = str(tmp_path_factory.mktemp("tiny_llama"))
-  save_tiny_hf_model(path, "llama", max_position_embeddings=512)
-  return path
-
-
 def test_parse_float_list():
   assert parse_float_list("1, 2.5,inf") == [1.0, 2.5, float("inf")]
   with pytest.raises(ValueError, match="not a number"):
