@@ -6,21 +6,10 @@ import sys
 
 import pytest
 
+from test_engine_utils import word_tokenizer
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 96
-
-
-def _word_tokenizer():
-  """A word-level tokenizer: "w0".."w{V-3}" plus <s>=V-2 (bos) and </s>=V-1 (eos)."""
-  import tokenizers
-  from tokenizers import decoders, models, pre_tokenizers
-  vocab = {f"w{i}": i for i in range(VOCAB - 2)}
-  vocab["<s>"], vocab["</s>"] = VOCAB - 2, VOCAB - 1
-  tok = tokenizers.Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
-  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-  tok.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
-  tok.add_special_tokens([tokenizers.AddedToken("<s>", special=True), tokenizers.AddedToken("</s>", special=True)])
-  return tok
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +25,7 @@ def tiny_hf_dir(tmp_path_factory):
                                  tie_word_embeddings=False)
   model = transformers.LlamaForCausalLM(cfg)
   model.save_pretrained(d, safe_serialization=True)
-  save_tokenizer(Tokenizer(backend=_word_tokenizer(), bos_id=VOCAB - 2, eos_ids=(VOCAB - 1,)), d)
+  save_tokenizer(Tokenizer(backend=word_tokenizer(VOCAB), bos_id=VOCAB - 2, eos_ids=(VOCAB - 1,)), d)
   return d
 
 

@@ -373,7 +373,7 @@ def test_min_residency_delays_proactive_victims():
       rot0 = s.totals["rotations_out"]
     else:
       assert shortest >= 3 and s.totals["rotations_out"] < rot0
-      assert s.totals["residency_steps"] / s.totals["residencies"] >= 3
+      assert s.totals["residency_steps"] / s.totals["rotations_out"] >= 3
 
 
 

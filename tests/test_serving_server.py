@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from test_engine_utils import word_tokenizer
+
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
@@ -27,18 +29,6 @@ ENV = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFF
 MAX_QUEUE = 4
 
 
-def _word_tokenizer():
-  import tokenizers
-  from tokenizers import decoders, models, pre_tokenizers
-  vocab = {f"w{i}": i for i in range(VOCAB - 2)}
-  vocab["<s>"], vocab["</s>"] = VOCAB - 2, VOCAB - 1
-  tok = tokenizers.Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
-  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-  tok.decoder = decoders.WordPiece(prefix="##")
-  tok.add_special_tokens([tokenizers.AddedToken("<s>", special=True), tokenizers.AddedToken("</s>", special=True)])
-  return tok
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
   from superinfer_jax.model.testing import save_tiny_hf_model
@@ -46,7 +36,7 @@ def model_dir(tmp_path_factory):
   d = str(tmp_path_factory.mktemp("tiny_llama_serve"))
   save_tiny_hf_model(d, "llama", max_position_embeddings=512, vocab_size=VOCAB, bos_token_id=VOCAB - 2,
                      eos_token_id=VOCAB - 1)
-  save_tokenizer(Tokenizer(backend=_word_tokenizer(), bos_id=VOCAB - 2, eos_ids=(VOCAB - 1,),
+  save_tokenizer(Tokenizer(backend=word_tokenizer(VOCAB), bos_id=VOCAB - 2, eos_ids=(VOCAB - 1,),
                            chat_template=CHAT_TEMPLATE), d)
   return d
 

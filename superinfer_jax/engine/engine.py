@@ -106,7 +106,6 @@ class EngineStats:
   recompute_preemptions: int = 0
   contended_steps: int = 0       # steps planned under memory contention (rotation considered)
   residency_steps: int = 0       # sum over rotations out of the steps the request had been resident
-  residencies: int = 0           # ... and how many such residencies ended in a rotation out
   rescheduled_drops: int = 0     # lookahead slots dropped because the request finished
   step_time_s: float = 0.0       # wall time spent inside step()
   host_time_s: float = 0.0       # ... of which not blocked waiting for sampled tokens
@@ -129,7 +128,7 @@ class EngineStats:
   @property
   def mean_residency_steps(self) -> Optional[float]:
     """Mean steps a request stayed RUNNING before it was rotated out (None: no rotation)."""
-    return self.residency_steps / self.residencies if self.residencies else None
+    return self.residency_steps / self.rotations_out if self.rotations_out else None
 
   @property
   def host_time_share(self) -> float:
@@ -170,7 +169,6 @@ class _Req:
   pending_times: list[float] = dataclasses.field(default_factory=list)
   pending_text: str = ""
   pending_states: list[tuple[float, str]] = dataclasses.field(default_factory=list)
-  running_since_step: Optional[int] = None   # plan step it last entered RUNNING (residency)
   reported_final: bool = False
 
   @property
@@ -461,6 +459,7 @@ class LLMEngine:
     st.rotations_out += len(plan.rotated_out)
     st.rotations_in += len(plan.rotated_in)
     st.round_trips += len(plan.round_trips)
+    st.residency_steps += plan.residency_steps
     st.recompute_preemptions += len(plan.preempted)
     if plan.contention:
       st.contended_steps += 1
@@ -471,21 +470,13 @@ class LLMEngine:
     """Queues each request's state changes of ``plan`` for its next output (in the order they happened:
     proactive and reactive rotations out / recompute preemptions, then rotations in and admissions)."""
     t = plan.time
-    k = plan.step_id
-    st = self.stats
     for ids, state in ((plan.rotated_out, "rotary"), (plan.preempted, "preempted"),
                        (plan.rotated_in, "running"), (plan.admitted, "running")):
       for rid in ids:
         r = self._reqs.get(rid)
-        if r is None or r.finished:
-          continue
-        r.pending_states.append((t, state))
-        self._pending_out[rid] = None
-        if state == "running":
-          r.running_since_step = k
-        elif state == "rotary" and r.running_since_step is not None:
-          st.residency_steps += k - r.running_since_step  # steps resident before this rotation out
-          st.residencies += 1
+        if r is not None and not r.finished:
+          r.pending_states.append((t, state))
+          self._pending_out[rid] = None
 
   def _issue(self, plan) -> None:
     swap_out, writeback, swap_in = plan.swap_out, plan.writeback, plan.swap_in  # PairLists, column-wise

@@ -29,7 +29,7 @@ class ReplayResult:
   timed_out: bool = False
   step_times_s: list[float] = dataclasses.field(default_factory=list)  # wall time of every engine.step()
   loadavg_1m: tuple = (None, None)       # the machine's 1-minute load average at the start and the end
-  cpu_s: float = 0.0                     # this process's CPU time inside engine.step() (all threads)
+  cpu_share: Optional[float] = None      # this process's CPU s per wall s inside engine.step() (StepTimer)
 
 
 def _compilations(engine) -> tuple[Optional[int], Optional[int]]:
@@ -40,12 +40,34 @@ def _compilations(engine) -> tuple[Optional[int], Optional[int]]:
   return (step if step >= 0 else None), kernels.compiled_variants()
 
 
-def _loadavg() -> Optional[float]:
-  """The 1-minute load average (None where the OS has none)."""
+def loadavg_1m() -> Optional[float]:
+  """The machine's 1-minute load average (None where the OS has none)."""
   try:
     return os.getloadavg()[0]
   except (AttributeError, OSError):
     return None
+
+
+class StepTimer:
+  """Runs ``engine.step()`` and records its wall time and this process's CPU time (all threads) per call,
+  so a run's step times and its CPU share while stepping can be compared with the warm-up's."""
+
+  def __init__(self):
+    self.step_times_s: list[float] = []
+    self.cpu_s = 0.0
+
+  def step(self, engine):
+    ts, cs = time.perf_counter(), time.process_time()
+    outputs = engine.step()
+    self.cpu_s += time.process_time() - cs
+    self.step_times_s.append(time.perf_counter() - ts)
+    return outputs
+
+  @property
+  def cpu_share(self) -> Optional[float]:
+    """CPU seconds per wall second inside ``step()`` (None before any step)."""
+    busy = sum(self.step_times_s)
+    return self.cpu_s / busy if busy > 0 else None
 
 
 def _diff(after: Optional[int], before: Optional[int]) -> Optional[int]:
@@ -72,9 +94,8 @@ def replay_workload(engine, requests: Sequence[Any], *, desc: str = "replay", pr
   live: set[str] = set()
   compiled_before = _compilations(engine)
   bar = progress_bar(len(pending), desc, progress)
-  load_start = _loadavg()
-  cpu_s = 0.0
-  step_times: list[float] = []
+  load_start = loadavg_1m()
+  timer = StepTimer()
   t0 = clock.now()
   nxt = 0
   timed_out = False
@@ -106,10 +127,7 @@ def replay_workload(engine, requests: Sequence[Any], *, desc: str = "replay", pr
       if nxt < len(pending):
         time.sleep(min(idle_sleep_max_s, max(0.0, t0 + pending[nxt].arrival_s - clock.now())))
       continue
-    ts, cs = time.perf_counter(), time.process_time()
-    outputs = engine.step()
-    cpu_s += time.process_time() - cs
-    step_times.append(time.perf_counter() - ts)
+    outputs = timer.step(engine)
     now = clock.now()
     for o in outputs:
       for t, state in o.state_changes:
@@ -134,5 +152,5 @@ def replay_workload(engine, requests: Sequence[Any], *, desc: str = "replay", pr
   return ReplayResult(timelines=recorder.timelines(), duration_s=max(last_token_t - t0, 1e-9),
                       engine_stats=engine.stats.as_dict(), rejected=rejected,
                       compilations=tuple(_diff(a, b) for a, b in zip(_compilations(engine), compiled_before)),
-                      timed_out=timed_out, step_times_s=step_times, loadavg_1m=(load_start, _loadavg()),
-                      cpu_s=cpu_s)
+                      timed_out=timed_out, step_times_s=timer.step_times_s, loadavg_1m=(load_start, loadavg_1m()),
+                      cpu_share=timer.cpu_share)

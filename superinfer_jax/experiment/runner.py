@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 
 from superinfer_jax.configtree import knob
 from superinfer_jax.experiment import calibrate as calib
-from superinfer_jax.experiment.replay import replay_workload
+from superinfer_jax.experiment.replay import StepTimer, loadavg_1m, replay_workload
 from superinfer_jax.metrics import plots as plots_lib
 from superinfer_jax.metrics.results import append_results_row, format_comparison_table, results_row
 from superinfer_jax.metrics.timeline import requests_filename, write_timelines
@@ -174,25 +174,14 @@ def _warm_up(model_tuple, engine_config, workload, progress: bool) -> tuple[int,
   t = time.perf_counter()
   for s in workload:
     engine.add_request(s.prompt_token_ids, SamplingParams(max_tokens=min(s.output_len, 24), ignore_eos=True))
-  steps = []
-  cpu_s = 0.0
+  timer = StepTimer()
   while engine.has_unfinished():
-    ts, cs = time.perf_counter(), time.process_time()
-    engine.step()
-    cpu_s += time.process_time() - cs
-    steps.append(time.perf_counter() - ts)
-  cpu_share = cpu_s / max(sum(steps), 1e-9)
+    timer.step(engine)
+  steps = timer.step_times_s
   if progress:
     print(f"[warm-up] {len(workload)} requests, {len(steps)} steps, {engine.num_compiled_shapes()} compiled "
           f"step shapes, {time.perf_counter() - t:.1f} s", flush=True)
-  return engine.num_device_blocks, (steps[2:] if len(steps) > 6 else steps), cpu_share  # 2 steps fill the pipe
-
-
-def _loadavg() -> Optional[float]:
-  try:
-    return os.getloadavg()[0]
-  except (AttributeError, OSError):
-    return None
+  return engine.num_device_blocks, (steps[2:] if len(steps) > 6 else steps), timer.cpu_share  # 2 fill the pipe
 
 
 def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[str, Any]]:
@@ -248,7 +237,7 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
     calibration = calib.derive(
         warm_steps, prompt_lens, output_lens, num_steps_saturated=saturated,
         pool_tokens=engine_config.num_device_blocks * engine_config.block_size, load_factor=spec.load_factor,
-        ttft_slo_steps=spec.ttft_slo_steps, tbt_slo_steps=spec.tbt_slo_steps, loadavg_1m=_loadavg())
+        ttft_slo_steps=spec.ttft_slo_steps, tbt_slo_steps=spec.tbt_slo_steps, loadavg_1m=loadavg_1m())
     print(calibration.explain(), flush=True)
     rps_values = [calibration.rps]
     engine_config = engine_config.replace(ttft_slo=calibration.ttft_slo_s, tbt_slo=calibration.tbt_slo_s)
@@ -280,8 +269,7 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
                             progress=spec.progress, time_limit_s=spec.time_limit_s)
       st = res.engine_stats
       drift = calib.step_drift(res.step_times_s, ref_step) if ref_step else None
-      busy = sum(res.step_times_s)
-      cpu_share = res.cpu_s / busy if busy > 0 else None  # CPU seconds per wall second inside step()
+      cpu_share = res.cpu_share
       cpu_drift = cpu_share / warm_cpu_share if cpu_share is not None and warm_cpu_share else None
       perturbed = (calib.is_perturbed(drift, spec.drift_tolerance)
                    or (cpu_drift is not None and cpu_drift < 1.0 / spec.cpu_share_tolerance))

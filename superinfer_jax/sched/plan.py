@@ -21,7 +21,9 @@
     ``finished`` (requests the scheduler ended by length): request-id lists. ``round_trips``: requests
     rotated out and back in within this step (only ``rotasched_code``, as the reference fork does); each is
     in both ``rotated_out`` and ``rotated_in``, and its host blocks are both D2H destinations and H2D
-    sources, so the engine issues this step's D2H copies before its H2D copies.
+    sources, so the engine issues this step's D2H copies before its H2D copies. ``residency_steps``: the
+    steps the requests in ``rotated_out`` had each stayed RUNNING, summed (mean residency = its running sum
+    over rotations out).
   * Counters: ``num_rotations`` (= len(rotated_out) + len(rotated_in)), ``blocks_out`` (= len(swap_out)),
     ``blocks_in`` (= len(swap_in)), ``blocks_writeback`` (= len(writeback)), ``num_recompute_preemptions``
     (= len(preempted)), ``num_batched_tokens`` (sum of num_new_tokens), ``contention`` (True when the step
@@ -70,6 +72,7 @@ class StepPlan:
   preempted: list = dataclasses.field(default_factory=list)
   admitted: list = dataclasses.field(default_factory=list)
   round_trips: list = dataclasses.field(default_factory=list)
+  residency_steps: int = 0   # sum over rotated_out of the steps each had been RUNNING (since it last entered)
   finished: list = dataclasses.field(default_factory=list)
   num_batched_tokens: int = 0
   contention: bool = False

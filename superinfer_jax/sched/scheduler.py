@@ -92,7 +92,7 @@ class Scheduler:
     self._finished: list[Request] = []
     self.totals = dict(steps=0, rotations_out=0, rotations_in=0, blocks_out=0, blocks_in=0,
                        blocks_writeback=0, recompute_preemptions=0, admitted=0, finished=0, aborted=0,
-                       scheduled_tokens=0, round_trips=0, residency_steps=0, residencies=0)
+                       scheduled_tokens=0, round_trips=0, residency_steps=0)
     # per-step context
     self._plan: StepPlan | None = None
     self._now = 0.0
@@ -253,6 +253,7 @@ class Scheduler:
     t = self.totals
     t["steps"] += 1
     t["rotations_out"] += len(plan.rotated_out)
+    t["residency_steps"] += plan.residency_steps
     t["rotations_in"] += len(plan.rotated_in)
     t["blocks_out"] += len(plan.swap_out)
     t["blocks_in"] += len(plan.swap_in)
@@ -390,9 +391,7 @@ class Scheduler:
     plan.rotated_out.append(rid)
     self._out_moved += n
     del self.running[rid]
-    t = self.totals
-    t["residency_steps"] += self._step - r._admit_step
-    t["residencies"] += 1
+    plan.residency_steps += self._step - r._admit_step
     r.state = ROTARY
     r.state_time = self._now
     r._touched_step = self._step

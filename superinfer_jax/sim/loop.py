@@ -117,8 +117,7 @@ class Simulator:
     bar = progress_bar(n_pending, desc, progress)
     c = dict(plans=0, model_steps=0, rotations_out=0, rotations_in=0, blocks_out=0, blocks_writeback=0,
              blocks_in=0, recompute_preemptions=0, round_trips=0, contended_steps=0, dropped_seqs=0,
-             transfer_s=0.0, exposed_transfer_s=0.0, residency_steps=0, residencies=0, empty_plans=0)
-    running_since: dict = {}
+             transfer_s=0.0, exposed_transfer_s=0.0, residency_steps=0, empty_plans=0)
     step_times: list[float] = []
     state = dict(nxt=0, link_free=t0, last_token=t0, idle=0)
 
@@ -146,28 +145,22 @@ class Simulator:
       if self.plan_hook is not None:
         self.plan_hook(plan)
       t = plan.time
-      k = plan.step_id
       c["plans"] += 1
       if plan.rotated_out:
         c["rotations_out"] += len(plan.rotated_out)
+        c["residency_steps"] += plan.residency_steps
         for rid in plan.rotated_out:
           if rid in live:
             rec.state(rid, t, ROTARY)
-            since = running_since.pop(rid, None)
-            if since is not None:
-              c["residency_steps"] += k - since
-              c["residencies"] += 1
       if plan.preempted:
         c["recompute_preemptions"] += len(plan.preempted)
         for rid in plan.preempted:
           if rid in live:
             rec.state(rid, t, PREEMPTED)
-            running_since.pop(rid, None)
       for ids in (plan.rotated_in, plan.admitted):
         for rid in ids:
           if rid in live:
             rec.state(rid, t, RUNNING)
-            running_since[rid] = k
       c["rotations_in"] += len(plan.rotated_in)
       c["round_trips"] += len(plan.round_trips)
       if plan.contention:
@@ -196,7 +189,6 @@ class Simulator:
       for rid in done:
         rec.finish(rid, t, "length")
         live.discard(rid)
-        running_since.pop(rid, None)
       if done and bar is not None:
         bar.update(len(done))
       sched.pop_finished()
@@ -297,8 +289,8 @@ def derived_counters(counters: dict[str, Any]) -> dict[str, Any]:
       blocks_in_per_step=counters["blocks_in"] / plans,
       bytes_out_per_step=counters["swap_out_bytes"] / plans,
       bytes_in_per_step=counters["swap_in_bytes"] / plans,
-      mean_residency_steps=(counters["residency_steps"] / counters["residencies"]
-                            if counters["residencies"] else None),
+      mean_residency_steps=(counters["residency_steps"] / counters["rotations_out"]
+                            if counters["rotations_out"] else None),
   )
 
 
