@@ -55,7 +55,8 @@ from superinfer_jax.model import load_model, load_tokenizer
 from superinfer_jax.model.batch import bucket, build_batch
 from superinfer_jax.model.forward import forward, init_kv_cache
 from superinfer_jax.model.tokenizer import encode_text
-from superinfer_jax.parallel import distributed, make_tensor_parallel
+from superinfer_jax.parallel import distributed
+from superinfer_jax.parallel.tensor_parallel import make_tensor_parallel
 from superinfer_jax.parallel.mesh import free_device_bytes
 from superinfer_jax.rotation import DuplexKV
 from superinfer_jax.sched import Request, Scheduler, WallClock

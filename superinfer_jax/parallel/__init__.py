@@ -13,6 +13,6 @@ Modules (docs/parallel.md is the user's guide):
   replicated-scheduling guard (shared clock + plan digest) that keeps every process's plan identical.
 
 Nothing here changes the TP=1 path: with ``tensor_parallel_size=1`` the engine never builds a mesh.
+The package imports nothing itself: ``distributed`` (flags, ``initialize``) imports no JAX at module level,
+so scripts define its flags before JAX starts; import the other modules directly.
 """
-from superinfer_jax.parallel.mesh import TP_AXIS, make_mesh  # noqa: F401
-from superinfer_jax.parallel.tensor_parallel import TensorParallel, make_tensor_parallel  # noqa: F401

@@ -13,13 +13,15 @@ Shard ``s`` holds query heads ``[s Hq/tp, (s+1) Hq/tp)`` and stored KV heads ``[
 the GQA grouping inside the shard is the global one (``parallel/sharding.py``), so the per-shard call is
 the backend's own contract on smaller head counts. No collective runs inside attention.
 
-An instance is hashable by value (mesh, backend name): it is a static argument of the jitted step, and two
-engines on the same mesh share compilations.
+An instance is hashable by value (mesh, backend): it is a static argument of the jitted step, and two
+engines on the same mesh share compilations. ``backend`` is a registry name or a hashable function with the
+backend contract (e.g. ``functools.partial(ragged_paged_attention, interpret=False)`` to lower for CUDA).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
@@ -33,9 +35,9 @@ _HEADS = P(None, TP_AXIS, None)
 
 @dataclasses.dataclass(frozen=True)
 class ShardedAttention:
-  """Calls backend ``backend`` ("auto", "reference", "pallas") per shard of ``mesh`` (module docstring)."""
+  """Calls backend ``backend`` ("auto", "reference", "pallas", or a function) per shard of ``mesh``."""
   mesh: Mesh
-  backend: str = "auto"
+  backend: Any = "auto"
 
   def __call__(self, q, kv_cache, layer, block_tables, context_lens, query_start_loc, *, scale: float):
     attn = functools.partial(resolve_attention(self.backend), scale=scale)

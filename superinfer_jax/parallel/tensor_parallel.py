@@ -69,7 +69,8 @@ class TensorParallel:
     with jax.default_device(host):
       return load_model(path_or_name, dtype=dtype)
 
-  def attention(self, backend: str) -> ShardedAttention:
+  def attention(self, backend) -> ShardedAttention:
+    """``backend`` (a registry name or a backend function) run per shard through ``shard_map``."""
     return ShardedAttention(self.mesh, backend)
 
   # ---------------------------------------------------------------------------------------- KV cache
