@@ -63,7 +63,7 @@ class TensorParallel:
     accelerator ever holds the whole model; ``prepare`` then shards it."""
     from superinfer_jax.model import load_model  # pylint: disable=import-outside-toplevel
     try:
-      host = jax.devices("cpu")[0]
+      host = jax.local_devices(backend="cpu")[0]
     except RuntimeError:     # JAX_PLATFORMS names no cpu: load on the default device
       return load_model(path_or_name, dtype=dtype)
     with jax.default_device(host):
