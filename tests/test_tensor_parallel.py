@@ -101,6 +101,10 @@ def test_weights_and_kv_are_sharded_one_over_tp_per_device(child_results, key):
   total = int(np.prod(kv["shape"])) * kv["itemsize"]
   assert kv["device_bytes"] == [total // tp] * tp
   assert all(s == kv["shape"][:4] + [kv["shape"][4] // tp, kv["shape"][5]] for s in kv["shard_shapes"])
+  # Memory sizing per device divides free device memory by this device's slice of a block; the host pool
+  # of this (only) process holds every slice.
+  assert rec["device_block_bytes"] * kv["shape"][0] == kv["device_bytes"][0]
+  assert rec["host_block_bytes"] * kv["shape"][0] == total
 
 
 def test_rotated_block_host_copy_holds_every_shard(child_results):
@@ -153,6 +157,23 @@ def test_generate_script_tp2_under_rotation_matches_tp1(tiny_model_dir):
   assert [r["token_ids"] for r in outs[2]] == [r["token_ids"] for r in outs[1]]
   for tp in (1, 2):   # under rotation pressure: KV went to host memory and back
     assert stats[tp]["rotations_out"] > 0 and stats[tp]["blocks_in"] > 0, stats[tp]
+
+
+def test_run_experiment_records_tp_degree(tiny_model_dir, tmp_path):
+  """results.jsonl rows of a TP=2 sweep say so (and the sweep completes on the 2-device mesh)."""
+  out = str(tmp_path / "run")
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "run_experiment.py"), f"--model={tiny_model_dir}",
+         "--dataset=synthetic", "--num_requests=4", "--rps=40", "--policies=rotasched",
+         "--synthetic_prompt_len=uniform:20,40", "--synthetic_output_len=uniform:8,12",
+         "--num_device_blocks=10", "--num_host_blocks=64", "--block_size=8", "--attention=reference",
+         "--ttft_slo=1", "--tbt_slo=1", "--nowarmup", "--tensor_parallel_size=2", f"--output_dir={out}",
+         "--noprogress"]
+  proc = subprocess.run(cmd, env=child_env(2), capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-6000:]
+  with open(os.path.join(out, "results.jsonl")) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  assert len(rows) == 1 and rows[0]["tensor_parallel_size"] == 2
+  assert rows[0]["num_finished"] == rows[0]["num_requests"] == 4
 
 
 def test_make_mesh_rejects_bad_sizes():
@@ -234,7 +255,9 @@ def _child(out_dir: str) -> None:
       leaves = {"/".join(str(k.key) for k in path_): _placement(leaf)
                 for path_, leaf in jax.tree_util.tree_flatten_with_path(placed)[0]}
       facts["placement"][f"{name}/tp{tp}"] = {"sharded": report["sharded"], "leaves": leaves,
-                                              "kv_cache": _placement(cache)}
+                                              "kv_cache": _placement(cache),
+                                              "device_block_bytes": tps[tp].device_block_bytes(cfg_tp.kv_spec(16)),
+                                              "host_block_bytes": tps[tp].host_block_bytes(cfg_tp.kv_spec(16))}
     if name == "llama":
       # Pallas (interpret mode on CPU) per shard, on a 20-token prefix (row i depends on tokens <= i only).
       arrays["score/llama/tp2_pallas"] = score(params, cfg, ids[:20], attention="pallas", chunk_size=16,

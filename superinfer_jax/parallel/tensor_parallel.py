@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from superinfer_jax.parallel import kv as kv_lib
@@ -91,8 +92,14 @@ class TensorParallel:
     return spec.block_bytes * len(local_mesh_devices(self.mesh)) // self.size
 
   def free_device_bytes(self) -> int | None:
-    """The least free memory over this process's mesh devices, or None if the backend reports none."""
-    return free_device_bytes(local_mesh_devices(self.mesh))
+    """The least free memory over the mesh's devices (every process's: the pool size must be the same
+    everywhere, so a multi-process run agrees on the minimum), or None if the backend reports none."""
+    free = free_device_bytes(local_mesh_devices(self.mesh))
+    if jax.process_count() == 1:
+      return free
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    mib = np.asarray(multihost_utils.process_allgather(np.array([-1 if free is None else free >> 20], np.int32)))
+    return None if (mib < 0).any() else int(mib.min()) << 20
 
   # ------------------------------------------------------------------------------------------- steps
   @property
