@@ -8,8 +8,9 @@ With --json: one JSON object per prompt, in input order (text prompts first, the
   {"prompt_token_ids": [...], "token_ids": [...], "text": "...", "finish_reason": "..."}
 A prompt the engine rejects (empty, too long, can never fit, ...) gets "finish_reason": "error" and an
 "error" field; the others are still served, and the exit status is 1.
-Engine flags (KV pools, policy, token budget, attention, pipeline, ...) are shared with the other scripts:
-see superinfer_jax/engine/config.py.
+Engine flags (KV pools, policy, token budget, attention, pipeline, --tensor_parallel_size, ...) are shared
+with the other scripts: see superinfer_jax/engine/config.py. Multi-host: run it on every host with
+--coordinator_address/--num_processes/--process_id (docs/parallel.md); only process 0 prints.
 """
 import json
 import os
@@ -23,6 +24,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from superinfer_jax.engine.config import (SamplingParams, define_engine_flags,  # noqa: E402
                                           engine_config_from_flags)
+from superinfer_jax.parallel.distributed import (define_distributed_flags, initialize_from_flags,  # noqa: E402
+                                                 is_primary)
 
 flags.DEFINE_string("model", "smollm2-135m", "HF dir, .gguf file, orbax dir, or a built-in name")
 flags.DEFINE_multi_string("prompt", [], "prompt text (repeatable)")
@@ -37,6 +40,7 @@ flags.DEFINE_multi_string("stop", [], "stop string (repeatable)")
 flags.DEFINE_bool("json", False, "print one JSON object per prompt")
 flags.DEFINE_bool("stats", False, "print engine counters to stderr at the end")
 define_engine_flags()
+define_distributed_flags()
 FLAGS = flags.FLAGS
 
 
@@ -57,6 +61,7 @@ def main(argv):
   if not prompts:
     raise app.UsageError("give at least one --prompt or --prompt_token_ids")
   try:
+    initialize_from_flags()
     config = engine_config_from_flags()
     params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
                             top_k=FLAGS.top_k, seed=FLAGS.seed, ignore_eos=FLAGS.ignore_eos,
@@ -64,6 +69,7 @@ def main(argv):
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  import jax  # pylint: disable=import-outside-toplevel
   from superinfer_jax.engine.engine import LLMEngine  # pylint: disable=import-outside-toplevel
   try:
     engine = LLMEngine(FLAGS.model, config)
@@ -82,6 +88,11 @@ def main(argv):
   for _ in engine.stream():
     pass
 
+  if engine.replica is not None:   # multi-process: every process made the same plans (checked each step)
+    print(f"[distributed] process {jax.process_index()}: {engine.replica.num_plans} plans, digest "
+          f"{engine.replica.digest}", file=sys.stderr, flush=True)
+  if not is_primary():
+    return 1 if errors else 0
   tok = engine.tokenizer
   for i, (p, rid) in enumerate(zip(prompts, ids)):
     if rid is None:

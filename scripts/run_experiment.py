@@ -10,8 +10,10 @@ Every flag is generated from a config field: the sweep's (``experiment.runner.Sw
 one config tree (``engine.config.EngineConfig``: scheduler, rotation and model settings), shared with
 scripts/generate.py. ``--helpfull`` lists them all.
 """
+import dataclasses
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -19,18 +21,29 @@ from absl import app  # noqa: E402
 
 from superinfer_jax import configtree  # noqa: E402
 from superinfer_jax.engine.config import define_engine_flags, engine_config_from_flags  # noqa: E402
+from superinfer_jax.parallel.distributed import (define_distributed_flags, initialize_from_flags,  # noqa: E402
+                                                 is_primary)
 from superinfer_jax.experiment.runner import SweepSpec, apply_variant, finish_report, run_sweep  # noqa: E402
 from superinfer_jax.sched.policies import POLICIES  # noqa: E402
 
 configtree.define_flags(SweepSpec)
 define_engine_flags()
+define_distributed_flags()
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
+    multi = initialize_from_flags()
     spec = configtree.from_flags(SweepSpec)
+    if multi and spec.calibrate:
+      # Calibration derives the load and SLOs from this process's own step times: processes would replay
+      # different workloads. Give --rps and the SLOs instead.
+      raise ValueError("--calibrate is single-process only; give --rps and the SLOs in a multi-host run")
+    if not is_primary():   # only process 0 writes results; the others replay the same sweep into scratch
+      spec = dataclasses.replace(spec, output_dir=tempfile.mkdtemp(prefix="superinfer-process-"),
+                                 progress=False)
     config = engine_config_from_flags()
     unknown = [p for p in spec.policy_names if p not in POLICIES]
     if unknown:
@@ -40,7 +53,8 @@ def main(argv):
   except ValueError as e:
     sys.exit(f"run_experiment: {e}")
   rows = run_sweep(spec, config)
-  print(finish_report(spec.output_dir, rows))
+  if is_primary():
+    print(finish_report(spec.output_dir, rows))
 
 
 if __name__ == "__main__":

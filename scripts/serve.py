@@ -25,6 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from superinfer_jax.engine.config import define_engine_flags, engine_config_from_flags  # noqa: E402
+from superinfer_jax.parallel.distributed import define_distributed_flags, initialize_from_flags  # noqa: E402
 
 flags.DEFINE_string("model", "smollm2-135m", "HF dir, .gguf file, orbax dir, or a built-in name")
 flags.DEFINE_string("served_model_name", None, "model name clients use (default: --model's base name)")
@@ -38,6 +39,7 @@ flags.DEFINE_string("log_level", "info", "uvicorn / server log level")
 flags.DEFINE_float("switch_interval", 0.0005, "Python's thread switch interval (s): the engine thread and the "
                    "event loop share the GIL; the default 5 ms would delay steps behind HTTP work")
 define_engine_flags()
+define_distributed_flags()
 FLAGS = flags.FLAGS
 
 
@@ -51,6 +53,11 @@ def main(argv):
   if FLAGS.max_queue < 1:
     raise app.UsageError("--max_queue must be >= 1")
   try:
+    if initialize_from_flags():
+      # Requests reach process 0 only; the other processes would need each step's new requests forwarded
+      # to replay the same schedule (docs/parallel.md). Tensor parallelism on one host works.
+      raise ValueError("serve.py runs in one process (tensor parallelism over that host's devices with "
+                       "--tensor_parallel_size); multi-host serving is not supported yet")
     config = engine_config_from_flags()
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)

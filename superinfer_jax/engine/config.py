@@ -59,6 +59,8 @@ class EngineConfig:
   block_size: int = knob(16, "tokens per KV block")
   pipeline: bool = knob(True, "overlap planning + transfers of step k+1 with step k")
   seed: int = knob(0, "seed of requests that give none", flag="engine_seed")
+  tensor_parallel_size: int = knob(1, "devices of the 1-D tensor-parallel mesh (weights and KV sharded by "
+                                      "heads; docs/parallel.md)")
   # Shape-bucket floors of the ragged batch (tokens T, sequences S = logit rows R, block-table width MB);
   # each is rounded up to a power of two. Raising them trades padding compute for fewer compilations.
   token_bucket_floor: int = knob(8, "smallest token bucket of a step")
@@ -83,6 +85,7 @@ class EngineConfig:
     check_int("seq_bucket_floor")
     check_int("blocks_bucket_floor")
     check_int("seed", allow_zero=True)
+    check_int("tensor_parallel_size")
     if not 0.0 < self.device_memory_fraction <= 1.0:
       raise ValueError(f"EngineConfig.device_memory_fraction must be in (0, 1], got "
                        f"{self.device_memory_fraction!r}")

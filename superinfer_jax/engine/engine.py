@@ -55,6 +55,9 @@ from superinfer_jax.model import load_model, load_tokenizer
 from superinfer_jax.model.batch import bucket, build_batch
 from superinfer_jax.model.forward import forward, init_kv_cache
 from superinfer_jax.model.tokenizer import encode_text
+from superinfer_jax.parallel import distributed
+from superinfer_jax.parallel.tensor_parallel import make_tensor_parallel
+from superinfer_jax.parallel.mesh import free_device_bytes
 from superinfer_jax.rotation import DuplexKV
 from superinfer_jax.sched import Request, Scheduler, WallClock
 from superinfer_jax.sched.protocol import SchedulerProtocol
@@ -201,20 +204,24 @@ class _InFlight:
   read_time: float = 0.0                 # perf_counter() when its ids were read back
 
 
-def _step_fn(params, kv_cache, packed, *, dims, cfg, attention):
+def _step_fn(params, kv_cache, packed, *, dims, cfg, attention, logits_sharding=None):
   """Model forward on the donated cache + on-device sampling. Returns (tokens[R] int32, kv_cache).
 
   ``packed`` is the step's one int32 buffer (``engine/packing.py``) with batch dims ``dims`` (static).
+  ``logits_sharding`` (tensor parallel): the vocab-sharded logits are gathered to it before sampling.
   """
   batch, samp = packing.unpack(packed, dims)
   logits, kv_cache = forward(params, kv_cache, batch, cfg, attention)
+  if logits_sharding is not None:
+    logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
   tokens = sampling_lib.sample(logits, *samp)
   return tokens, kv_cache
 
 
 # One jit for all engines in the process (cfg and attention static), so engines built on the same model and
 # bucket floors share compilations.
-_jit_step = jax.jit(_step_fn, static_argnames=("dims", "cfg", "attention"), donate_argnums=(1,))
+_jit_step = jax.jit(_step_fn, static_argnames=("dims", "cfg", "attention", "logits_sharding"),
+                    donate_argnums=(1,))
 
 
 class LLMEngine:
@@ -238,6 +245,8 @@ class LLMEngine:
       raise ValueError(f"kv_layout={config.rotation.kv_layout!r}: the engine's attention reads a block-first "
                        "cache; the layer-first layout is measured by scripts/bench_transfer.py and modelled "
                        "by the simulator")
+    # Tensor parallelism (superinfer_jax/parallel): None at tensor_parallel_size=1 (single device).
+    self.tp = make_tensor_parallel(config.tensor_parallel_size)
     if isinstance(model, (tuple, list)):
       if len(model) == 3:
         cfg, params, tok = model
@@ -245,10 +254,13 @@ class LLMEngine:
         (cfg, params), tok = model, None
       else:
         raise ValueError("model tuple must be (cfg, params) or (cfg, params, tokenizer)")
-      params = jax.device_put(params)
+      params = jax.device_put(params) if self.tp is None else params
     else:
-      cfg, params = load_model(model, dtype=config.model.dtype)
+      cfg, params = (load_model if self.tp is None else self.tp.load_model)(model, dtype=config.model.dtype)
       tok = _tokenizer_or_none(model) if tokenizer is None else None
+    run_cfg = cfg   # the config the step runs with (tensor parallel: KV heads replicated as needed)
+    if self.tp is not None:
+      run_cfg, params = self.tp.prepare(cfg, params)
     self.model_config = cfg
     self.params = params
     self.tokenizer = tokenizer if tokenizer is not None else tok
@@ -256,15 +268,24 @@ class LLMEngine:
     self.max_model_len = min(config.model.max_model_len or cfg.max_position_embeddings,
                              cfg.max_position_embeddings)
     self.clock = clock if clock is not None else WallClock()
-    self.kv_spec = cfg.kv_spec(config.block_size, dtype=config.model.dtype)
+    self.replica = distributed.replicated_schedule(self.clock)   # multi-process: shared clock, plan digest
+    if self.replica is not None:
+      self.clock = self.replica
+    self.kv_spec = run_cfg.kv_spec(config.block_size, dtype=config.model.dtype)
     self.num_device_blocks = self._device_blocks()
     self.num_host_blocks = self._host_blocks()
     self.block_manager = BlockManager(self.num_device_blocks, self.num_host_blocks, config.block_size)
     self.scheduler: SchedulerProtocol = (scheduler_factory or Scheduler)(
         config.scheduler, self.block_manager, self.clock)
-    self.kv_cache = init_kv_cache(cfg, self.num_device_blocks + 1, config.block_size, config.model.dtype)
+    if self.replica is not None:
+      self.scheduler = self.replica.wrap(self.scheduler)
+    self.kv_cache = (init_kv_cache if self.tp is None else self.tp.init_kv_cache)(
+        run_cfg, self.num_device_blocks + 1, config.block_size, config.model.dtype)
     self.duplex = self._make_duplex()
-    self._step_kwargs = dict(cfg=cfg, attention=config.model.attention)
+    self._step_kwargs = dict(cfg=run_cfg, attention=config.model.attention)
+    if self.tp is not None:
+      self._step_kwargs.update(attention=self.tp.attention(config.model.attention),
+                               logits_sharding=self.tp.replicated)
     self.stats = EngineStats()
     self._reqs: dict[str, _Req] = {}
     self._unfinished: set[str] = set()
@@ -278,26 +299,27 @@ class LLMEngine:
     c = self.config
     if c.num_device_blocks:
       return c.num_device_blocks
-    stats = None
-    try:
-      stats = jax.local_devices()[0].memory_stats()
-    except Exception:  # pylint: disable=broad-except
-      stats = None
-    if not stats or "bytes_limit" not in stats:
+    # Per device (tensor parallel: the least free device of the mesh, after its weight shards; its slice
+    # of a block).
+    if self.tp is None:
+      free, block_bytes = free_device_bytes(jax.local_devices()[:1]), self.kv_spec.block_bytes
+    else:
+      free, block_bytes = self.tp.free_device_bytes(), self.tp.device_block_bytes(self.kv_spec)
+    if free is None:
       raise ValueError("EngineConfig.num_device_blocks is unset and this backend reports no device memory "
                        "(e.g. CPU): give num_device_blocks")
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    n = int(free * c.device_memory_fraction) // self.kv_spec.block_bytes - 1
+    n = int(free * c.device_memory_fraction) // block_bytes - 1
     if n < 1:
       raise ValueError(f"device_memory_fraction={c.device_memory_fraction} of {free} free bytes holds no "
-                       f"KV block of {self.kv_spec.block_bytes} bytes")
+                       f"KV block of {block_bytes} bytes")
     return n
 
   def _host_blocks(self) -> int:
     c = self.config
     if c.num_host_blocks is not None:
       return c.num_host_blocks
-    return int(c.host_gib * 2**30) // self.kv_spec.block_bytes
+    bb = self.kv_spec.block_bytes if self.tp is None else self.tp.host_block_bytes(self.kv_spec)
+    return int(c.host_gib * 2**30) // bb
 
   def _make_duplex(self) -> Optional[DuplexKV]:
     """The DuplexKV over the host pool (None without one: nothing rotates). Pinned host memory where the
@@ -309,7 +331,8 @@ class LLMEngine:
     kinds = {m.kind for m in device.addressable_memories()}
     kind = "pinned_host" if "pinned_host" in kinds else "unpinned_host"
     return DuplexKV(self.kv_spec, self.num_host_blocks, mode=rc.transfer_mode, device=device,
-                    host_memory_kind=kind, min_bucket=rc.rotation_min_bucket, max_bucket=rc.rotation_max_bucket)
+                    host_memory_kind=kind, min_bucket=rc.rotation_min_bucket, max_bucket=rc.rotation_max_bucket,
+                    sharding=None if self.tp is None else self.tp.block_sharding)
 
   # ---------------------------------------------------------------------------------------- requests
   def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None, *,
@@ -541,7 +564,7 @@ class LLMEngine:
       samp.step[row] = len(r.output_token_ids)
       rows.append((rid, row))
     packed, dims = packing.pack(batch, samp)
-    packed = jax.device_put(packed)        # the step's one explicit host->device transfer
+    packed = jax.device_put(packed) if self.tp is None else self.tp.put(packed)   # the one explicit H2D
     tokens, self.kv_cache = _jit_step(self.params, self.kv_cache, packed, dims=dims, **self._step_kwargs)
     # Start the sampled ids' device->host copy now, ahead of the next plan's swap-out copies (which depend
     # on this step too): reading them back must not wait behind a large rotation on a shared D2H stream.
@@ -673,8 +696,8 @@ class LLMEngine:
       batch = self._build_batch(seqs)
       samp = sampling_lib.SamplingArrays.empty(int(batch.logits_indices.shape[0]))
       packed, dims = packing.pack(batch, samp)
-      tokens, self.kv_cache = _jit_step(self.params, self.kv_cache, jax.device_put(packed), dims=dims,
-                                        **self._step_kwargs)
+      packed = jax.device_put(packed) if self.tp is None else self.tp.put(packed)
+      tokens, self.kv_cache = _jit_step(self.params, self.kv_cache, packed, dims=dims, **self._step_kwargs)
       jax.block_until_ready(tokens)
       if num_tokens >= top:
         return self.num_compiled_shapes()

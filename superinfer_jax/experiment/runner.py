@@ -197,7 +197,13 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
   fresh_output_dir(spec.output_dir)
   if model_tuple is None:
     from superinfer_jax.model import load_model, load_tokenizer  # pylint: disable=import-outside-toplevel
-    cfg, params = load_model(spec.model, dtype=engine_config.model.dtype)
+    from superinfer_jax.parallel.tensor_parallel import make_tensor_parallel  # pylint: disable=import-outside-toplevel
+    tp = make_tensor_parallel(engine_config.tensor_parallel_size)
+    if tp is None:
+      cfg, params = load_model(spec.model, dtype=engine_config.model.dtype)
+    else:   # loaded in host memory and sharded once; every engine of the sweep reuses the shards
+      cfg, params = tp.load_model(spec.model, dtype=engine_config.model.dtype)
+      _, params = tp.prepare(cfg, params)
     try:
       tokenizer = load_tokenizer(spec.model)
     except FileNotFoundError:
@@ -275,7 +281,8 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
                    or (cpu_drift is not None and cpu_drift < 1.0 / spec.cpu_share_tolerance))
       steps_sorted = sorted(res.step_times_s)
       extra = {"num_device_blocks": engine.num_device_blocks, "num_host_blocks": engine.num_host_blocks,
-               "block_size": config.block_size, "rotations_in": st["rotations_in"],
+               "block_size": config.block_size, "tensor_parallel_size": config.tensor_parallel_size,
+               "rotations_in": st["rotations_in"],
                "blocks_out": st["blocks_out"], "blocks_writeback": st["blocks_writeback"],
                "blocks_in": st["blocks_in"], "steps": st["steps"], "round_trips": st["round_trips"],
                "contended_steps": st["contended_steps"], "rotations_per_step": st["rotations_per_step"],

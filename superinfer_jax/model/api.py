@@ -64,56 +64,71 @@ def validate_token_ids(cfg: ModelConfig, token_ids: Sequence[int], extra_positio
   return ids.astype(np.int32)
 
 
-def _fresh_cache(cfg: ModelConfig, params, num_tokens: int, block_size: int):
-  """A cache with blocks 1..nb for one sequence (block count bucketed to limit recompiles)."""
+def _fresh_cache(cfg: ModelConfig, params, num_tokens: int, block_size: int, tp=None):
+  """A cache with blocks 1..nb for one sequence (block count bucketed to limit recompiles); sharded over
+  ``tp``'s mesh when given (``tp``: a ``parallel.TensorParallel``, ``cfg`` its model config)."""
   nb = cdiv(num_tokens, block_size)
   num_blocks = next_power_of_2(nb) + 1
   dtype = "bfloat16" if params["embed"].dtype == jnp.bfloat16 else "float32"
-  return init_kv_cache(cfg, num_blocks, block_size, dtype), list(range(1, nb + 1))
+  init = init_kv_cache if tp is None else tp.init_kv_cache
+  return init(cfg, num_blocks, block_size, dtype), list(range(1, nb + 1))
+
+
+def _on_mesh(tp, cfg: ModelConfig, params, attention):
+  """``(cfg, params, attention, put)`` for the step: unchanged for ``tp=None``, else the tensor-parallel
+  model (``parallel.TensorParallel.prepare``), its per-shard attention and the replicated batch put."""
+  if tp is None:
+    return cfg, params, attention, lambda batch: batch
+  cfg, params = tp.prepare(cfg, params)
+  return cfg, params, tp.attention(attention), tp.put_tree
 
 
 def score(params, cfg: ModelConfig, token_ids: Sequence[int], attention: str = "auto",
-          chunk_size: int | None = None, block_size: int = 16) -> np.ndarray:
+          chunk_size: int | None = None, block_size: int = 16, tensor_parallel=None) -> np.ndarray:
   """Next-token logits ``[len(token_ids), vocab]`` float32 for every prefix, through the paged step.
 
   The prompt is prefilled into a fresh cache in chunks of ``chunk_size`` tokens (default 128); chunk k
-  attends to the cached K/V of chunks < k.
+  attends to the cached K/V of chunks < k. ``tensor_parallel``: a ``parallel.TensorParallel`` to run the
+  step sharded over its mesh (``params`` as loaded, or already prepared by it).
   """
   ids = validate_token_ids(cfg, token_ids)
   chunk = chunk_size or DEFAULT_CHUNK_SIZE
   if chunk <= 0:
     raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-  cache, table = _fresh_cache(cfg, params, ids.size, block_size)
+  cfg, params, attention, put = _on_mesh(tensor_parallel, cfg, params, attention)
+  cache, table = _fresh_cache(cfg, params, ids.size, block_size, tensor_parallel)
   out = []
   for start in range(0, ids.size, chunk):
     new = ids[start:start + chunk]
     batch, rows = build_batch([(new, start, table)], block_size, logits="all")
-    logits, cache = step(params, cache, batch, cfg, attention)
+    logits, cache = step(params, cache, put(batch), cfg, attention)
     out.append(np.asarray(logits[:rows]))
   return np.concatenate(out, axis=0)
 
 
 def greedy_generate(params, cfg: ModelConfig, token_ids: Sequence[int], max_new_tokens: int, *,
                     attention: str = "auto", chunk_size: int | None = None, block_size: int = 16,
-                    stop_token_ids: Sequence[int] | None = None) -> list[int]:
+                    stop_token_ids: Sequence[int] | None = None, tensor_parallel=None) -> list[int]:
   """Greedy continuation (argmax) of a prompt: chunked paged prefill, then one paged decode step per token.
 
   Stops after ``max_new_tokens`` or right after emitting a token in ``stop_token_ids`` (default: the
   config's EOS ids; pass ``()`` to never stop early). Returns the new token ids (stop token included).
+  ``tensor_parallel``: as for ``score``.
   """
   if max_new_tokens < 0:
     raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
   ids = validate_token_ids(cfg, token_ids, extra_positions=max_new_tokens)
   stops = set(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
   chunk = chunk_size or DEFAULT_CHUNK_SIZE
-  cache, table = _fresh_cache(cfg, params, ids.size + max_new_tokens, block_size)
   new_tokens: list[int] = []
   if max_new_tokens == 0:
     return new_tokens
+  cfg, params, attention, put = _on_mesh(tensor_parallel, cfg, params, attention)
+  cache, table = _fresh_cache(cfg, params, ids.size + max_new_tokens, block_size, tensor_parallel)
   logits = None
   for start in range(0, ids.size, chunk):
     batch, _ = build_batch([(ids[start:start + chunk], start, table)], block_size, logits="last")
-    logits, cache = step(params, cache, batch, cfg, attention)
+    logits, cache = step(params, cache, put(batch), cfg, attention)
   while True:
     tok = int(jnp.argmax(logits[0]))
     new_tokens.append(tok)
@@ -121,4 +136,4 @@ def greedy_generate(params, cfg: ModelConfig, token_ids: Sequence[int], max_new_
       return new_tokens
     computed = ids.size + len(new_tokens) - 1
     batch, _ = build_batch([([tok], computed, table)], block_size, logits="last")
-    logits, cache = step(params, cache, batch, cfg, attention)
+    logits, cache = step(params, cache, put(batch), cfg, attention)

@@ -113,7 +113,7 @@ class DuplexKV:
 
   def __init__(self, spec: KVCacheSpec, num_host_blocks: int, *, mode: str = DUPLEX,
                device: jax.Device | None = None, host_memory_kind: str = "pinned_host",
-               max_bucket: int = 16, min_bucket: int = 1):
+               max_bucket: int = 16, min_bucket: int = 1, sharding: jax.sharding.Sharding | None = None):
     """Creates an engine.
 
     Args:
@@ -126,6 +126,12 @@ class DuplexKV:
         (still one ``device_put`` per direction). Bounds compile time (it grows linearly with the bucket:
         SmolLM2 blocks on CPU, gather + scatter of 16 blocks ~4 s, of 64 blocks ~15 s) and staging memory.
       min_bucket: smallest bucket (power of two).
+      sharding: device sharding of one block ``[L, 2, BS, H, D]`` when the cache is sharded (tensor
+        parallelism: ``parallel.kv.kv_block_sharding``, heads split over the mesh); ``device`` is then
+        ignored. A host block is then one array with the same sharding in ``host_memory_kind``: each
+        device's slice is its own host buffer, copied by that device alone, and a block's copy is done
+        when every shard's copy is (``wait`` / ``is_ready`` on the array cover all shards). Byte counters
+        count every shard (``spec.block_bytes`` of the whole block).
     """
     if mode not in MODES:
       raise ValueError(f"mode {mode!r} not one of {MODES}")
@@ -138,14 +144,23 @@ class DuplexKV:
     self.mode = mode
     self.max_bucket = max_bucket
     self.min_bucket = min(bucket_size(min_bucket), max_bucket)
-    self.device = device if device is not None else jax.devices()[0]
-    kinds = {m.kind for m in self.device.addressable_memories()}
-    if host_memory_kind not in kinds:
-      raise ValueError(f"{self.device} has no {host_memory_kind!r} memory (has {sorted(kinds)})")
+    if sharding is None:
+      self.device = device if device is not None else jax.devices()[0]
+      sharding = jax.sharding.SingleDeviceSharding(self.device)
+    else:
+      self.device = min(sharding.device_set, key=lambda d: d.id)
+    for d in sharding.device_set:
+      if d.process_index != jax.process_index():
+        continue
+      kinds = {m.kind for m in d.addressable_memories()}
+      if host_memory_kind not in kinds:
+        raise ValueError(f"{d} has no {host_memory_kind!r} memory (has {sorted(kinds)})")
     self.host_memory_kind = host_memory_kind
-    self._dev_sharding = jax.sharding.SingleDeviceSharding(
-        self.device, memory_kind=self.device.default_memory().kind)
-    self._host_sharding = jax.sharding.SingleDeviceSharding(self.device, memory_kind=host_memory_kind)
+    self._dev_sharding = sharding.with_memory_kind(self.device.default_memory().kind)
+    self._host_sharding = sharding.with_memory_kind(host_memory_kind)
+    # Block ids go to every device of the cache's sharding (replicated).
+    self._ids_sharding = (jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+                          if isinstance(sharding, jax.sharding.NamedSharding) else self._dev_sharding)
     self._dtype = np.dtype(jax.numpy.dtype(spec.dtype))
     self._block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
     self._host: dict[int, jax.Array | tuple[jax.Array, ...]] = {}
@@ -293,7 +308,7 @@ class DuplexKV:
       raise ValueError(f"host block must be {self._block_shape} {self._dtype}, got {data.shape} {data.dtype}")
     if self.mode == NAIVE:
       segs = [data[l, kv] for l in range(self.spec.num_layers) for kv in range(2)]
-      self._host[host_id] = tuple(jax.device_put(segs, self._host_sharding))
+      self._host[host_id] = tuple(jax.device_put(segs, self._segment_host_sharding()))
     else:
       self._host[host_id] = jax.device_put(data, self._host_sharding)
 
@@ -357,7 +372,7 @@ class DuplexKV:
   def _ids(self, ids: Sequence[int], bucket: int) -> jax.Array:
     padded = np.full((bucket,), PADDING_BLOCK, np.int32)
     padded[:len(ids)] = ids
-    return jax.device_put(padded, self._dev_sharding)   # explicit: fine under transfer_guard("disallow")
+    return jax.device_put(padded, self._ids_sharding)   # explicit: fine under transfer_guard("disallow")
 
   def _chunks(self, n: int):
     for start in range(0, n, self.max_bucket):
@@ -374,6 +389,14 @@ class DuplexKV:
       self.stats.gathers += 1
       out.extend(blocks[:stop - start])
     return out
+
+  def _segment_host_sharding(self) -> jax.sharding.Sharding:
+    """Host sharding of one naive-mode segment ``[BS, H, D]`` (the block's, without the L and K/V axes)."""
+    sh = self._host_sharding
+    if isinstance(sh, jax.sharding.NamedSharding):
+      return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*tuple(sh.spec)[2:]),
+                                        memory_kind=sh.memory_kind)
+    return sh
 
   def _pad_block(self) -> jax.Array:
     if self._pad_block_dev is None:
@@ -435,7 +458,7 @@ class DuplexKV:
     for h, blk in zip(hosts, staged):
       segs = []
       for seg in kernels.split_block(blk):
-        seg = jax.device_put(seg, self._host_sharding)
+        seg = jax.device_put(seg, seg.sharding.with_memory_kind(self.host_memory_kind))
         seg.block_until_ready()
         segs.append(seg)
       self._host[h] = tuple(segs)
@@ -447,7 +470,7 @@ class DuplexKV:
     for h in columns(h2d)[0]:
       segs = []
       for seg in self._host_entry(h):
-        seg = jax.device_put(seg, self._dev_sharding)
+        seg = jax.device_put(seg, seg.sharding.with_memory_kind(self._dev_sharding.memory_kind))
         seg.block_until_ready()
         segs.append(seg)
       blocks.append(kernels.join_block(tuple(segs)))
