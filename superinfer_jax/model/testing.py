@@ -51,8 +51,8 @@ def torch_greedy(model, token_ids, max_new_tokens: int) -> list[int]:
   import torch
   ids = torch.tensor(np.asarray(token_ids, np.int64)[None])
   with torch.no_grad():
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                         eos_token_id=[], pad_token_id=0)   # no stop token, and EOS is not masked either
   return out[0, ids.shape[1]:].tolist()
 
 
