@@ -358,11 +358,16 @@ class MemoryEstimate:
     """KV blocks that fit next to the weights in ``device_bytes`` (minus ``reserve_bytes``); may be <= 0."""
     return int((device_bytes - reserve_bytes - self.weight_bytes) // self.kv_block_bytes)
 
-  def describe(self) -> str:
+  def describe(self, num_blocks: int | None = None) -> str:
+    """One line: weights + KV per block (and the total with ``num_blocks`` device blocks)."""
     gib = 2.0 ** 30
-    return (f"memory estimate ({self.dtype}): weights {self.weight_bytes / gib:.3f} GiB + KV "
-            f"{self.kv_block_bytes / 2**20:.3f} MiB per block of {self.block_size} tokens "
-            f"({self.kv_bytes_per_token / 1024:.1f} KiB per token)")
+    line = (f"memory estimate ({self.dtype}): weights {self.weight_bytes / gib:.3f} GiB + KV "
+            f"{self.kv_block_bytes / 2**20:.4f} MiB per block of {self.block_size} tokens "
+            f"({self.kv_bytes_per_token / 1024:.2f} KiB per token)")
+    if num_blocks is not None:
+      total = self.weight_bytes + num_blocks * self.kv_block_bytes
+      line += f"; with {num_blocks} device blocks: {total / gib:.3f} GiB"
+    return line
 
 
 def _hf_rope_fields(d: Mapping[str, Any]) -> dict[str, Any]:
