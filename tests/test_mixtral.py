@@ -124,3 +124,20 @@ def test_grouped_moe_flops_grow_with_top_k_not_with_experts():
   print("flops/active:", {key: round(f / active(key[1]), 2) for key, f in tiles.items()},
         "dense E4/E16:", dense[4] / active(2), dense[16] / active(2),
         "ragged_dot E4/E16:", ragged[4] / active(2), ragged[16] / active(2))
+
+
+@pytest.mark.parametrize("q8", [False, True], ids=["f32", "q8_0"])
+def test_mixtral_gguf_with_merged_experts_matches_transformers(tiny_mixtral, tmp_path, q8):
+  """llama.cpp's layout: architecture llama + expert_count, router ffn_gate_inp, merged ffn_*_exps."""
+  from superinfer_jax.model.testing import write_gguf_from_hf_model
+  model, cfg, params, _ = tiny_mixtral
+  path = str(tmp_path / "mixtral.gguf")
+  write_gguf_from_hf_model(path, model, quantize_q8=q8)
+  gcfg, gparams = load_model(path)
+  assert (gcfg.family, gcfg.num_experts, gcfg.num_experts_per_token) == ("mixtral", 4, 2)
+  if not q8:
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(gparams)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  ids = np.random.RandomState(2).randint(0, cfg.vocab_size, size=17)
+  err = np.abs(score(gparams, gcfg, ids, block_size=BS) - torch_logits(model, ids)).max()
+  assert err < (5e-2 if q8 else TOL)

@@ -71,9 +71,11 @@ def llama_cpp_permute(w, n_head: int):
 
 
 def write_gguf_from_hf_model(path: str, model, *, quantize_q8: bool = False) -> None:
-  """Writes a transformers Llama model as a GGUF file the way llama.cpp's converter lays it out.
+  """Writes a transformers Llama (or Mixtral) model as a GGUF file the way llama.cpp's converter lays it out.
 
-  F32 tensors (or Q8_0 for 2-D weights when ``quantize_q8``), q/k rows permuted, llama.* metadata.
+  F32 tensors (or Q8_0 for 2-D weights when ``quantize_q8``), q/k rows permuted, llama.* metadata; Mixtral
+  as llama.cpp does: ``llama.expert_count`` / ``expert_used_count``, router ``ffn_gate_inp`` and merged
+  ``ffn_{gate,up,down}_exps`` ``[E, out, in]`` tensors.
   """
   import gguf
   import numpy as np
@@ -88,13 +90,29 @@ def write_gguf_from_hf_model(path: str, model, *, quantize_q8: bool = False) -> 
   w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
   w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
   w.add_vocab_size(c.vocab_size)
+  moe = getattr(c, "num_local_experts", 0)
+  if moe:
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
   names = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
            "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
            "self_attn.o_proj.weight": "attn_output.weight",
            "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
            "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+  tensors = []
   for name, t in model.state_dict().items():
     a = t.detach().float().numpy()
+    if name.endswith("mlp.experts.gate_up_proj"):         # transformers 5: [E, 2F, H] = gate ; up
+      f = a.shape[1] // 2
+      tensors += [(name.replace("gate_up_proj", "gate_exps"), a[:, :f]),
+                  (name.replace("gate_up_proj", "up_exps"), a[:, f:])]
+    elif name.endswith("mlp.experts.down_proj"):
+      tensors.append((name.replace("down_proj", "down_exps"), a))
+    else:
+      tensors.append((name, a))
+  names.update({"mlp.gate.weight": "ffn_gate_inp.weight", "mlp.experts.gate_exps": "ffn_gate_exps.weight",
+                "mlp.experts.up_exps": "ffn_up_exps.weight", "mlp.experts.down_exps": "ffn_down_exps.weight"})
+  for name, a in tensors:
     if name == "model.embed_tokens.weight":
       gname = "token_embd.weight"
     elif name == "model.norm.weight":
