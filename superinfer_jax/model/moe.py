@@ -9,12 +9,14 @@ Formulations (``MOE_IMPLS``), all exact (no capacity, no dropped tokens):
 
 * ``dense``: every expert on every token, combined with a ``[T, E]`` weight matrix that is zero off the
   selected experts. FLOPs ``~ T * E``. The test reference.
-* ``tiles`` (default): the ``T * k`` (token, expert) pairs are sorted by expert; each expert's run is padded
+* ``tiles`` (default off GPU): the ``T * k`` (token, expert) pairs are sorted by expert; each expert's run is padded
   to a multiple of the tile size ``m`` and cut into tiles of ``m`` rows that belong to one expert; each tile
   multiplies by its own expert's weights (a batched matmul over tiles). The static tile count is
   ``(T*k + min(E, T*k) * (m - 1)) // m``, so FLOPs ``~ T * k`` plus at most ``m - 1`` padding rows per
   expert -- not ``T * E``. The expert weights are gathered per tile (``[tiles, H, F]``), which costs
   memory traffic of about ``tiles / E`` times the experts' weights.
+* ``pallas`` (default on a GPU): the same tiles through ``pallas_kernels.grouped_matmul``, which reads
+  each tile's expert weights in place from the stacked array and skips the padding tiles.
 * ``ragged_dot``: the same sorted rows through ``jax.lax.ragged_dot`` (a grouped GEMM). Only worth it where
   XLA lowers ragged dot natively: in jax 0.10.2 the CPU and CUDA backends rewrite it to a dense masked
   matmul over all experts (FLOPs ``~ T * E``; measured in tests/test_mixtral.py), hence not the default.
@@ -23,12 +25,16 @@ Shapes: ``h [T, H]``; per layer ``router [H, E]``, ``w_gate`` / ``w_up`` ``[E, H
 """
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
-MOE_IMPLS = ("dense", "tiles", "ragged_dot")
+MOE_IMPLS = ("dense", "tiles", "pallas", "ragged_dot")
 AUTO = "auto"
 MIN_TILE, MAX_TILE = 8, 128
+PALLAS_MIN_TILE = 16   # Triton dot rows
 
 
 def matmul(x: jax.Array, w: jax.Array, out=None) -> jax.Array:
@@ -87,28 +93,71 @@ def _combine(T: int, order, k: int, weights, rows, dtype):
   return out.astype(dtype)
 
 
-def moe_tiles(h, lp, weights, experts, tile: int | None = None):
-  """Grouped formulation on expert-homogeneous tiles (see module docstring). Returns [T, H]."""
-  T, H = h.shape
-  k = experts.shape[1]
-  E = lp["router"].shape[-1]
-  N = T * k
-  m = tile or tile_size(N, E)
-  nt = num_tiles(N, E, m)
-  order, sizes = sort_by_expert(experts, E)
-  tiles_per = (sizes + m - 1) // m
+class TileLayout(NamedTuple):
+  """Expert-homogeneous tiles of the sorted (token, expert) pairs.
+
+  order [N]: flat pair (token * k + j) of each sorted row; prow [N]: the padded row of sorted row r (tile
+  ``prow // m``); tile_expert [NT]: expert of each tile (the last expert for inactive tiles); num_active:
+  tiles in use (the rest are padding); tile: m; num_tiles: NT (static)."""
+  order: jax.Array
+  prow: jax.Array
+  tile_expert: jax.Array
+  num_active: jax.Array
+  tile: int
+  num_tiles: int
+
+
+def tile_layout(experts: jax.Array, num_experts: int, tile: int) -> TileLayout:
+  """Sorts the pairs by expert and pads each expert's run to whole tiles of ``tile`` rows."""
+  N = experts.size
+  nt = num_tiles(N, num_experts, tile)
+  order, sizes = sort_by_expert(experts, num_experts)
+  tiles_per = (sizes + tile - 1) // tile
   tile_end = jnp.cumsum(tiles_per)
   tile_start = tile_end - tiles_per
   group_start = jnp.cumsum(sizes) - sizes
   sorted_expert = experts.reshape(-1)[order]                                   # [N]
   r = jnp.arange(N, dtype=jnp.int32)
-  prow = tile_start[sorted_expert] * m + (r - group_start[sorted_expert])      # padded row of sorted row r
+  prow = tile_start[sorted_expert] * tile + (r - group_start[sorted_expert])
   i = jnp.arange(nt, dtype=jnp.int32)
-  tile_expert = jnp.minimum(jnp.sum(tile_end[None, :] <= i[:, None], axis=1), E - 1)   # [NT]
-  x = jnp.zeros((nt * m, H), h.dtype).at[prow].set(h[order // k]).reshape(nt, m, H)
-  a = _swiglu(x, lp["w_gate"][tile_expert], lp["w_up"][tile_expert], "nmh,nhf->nmf")
-  y = jnp.einsum("nmf,nfh->nmh", a, lp["w_down"][tile_expert], preferred_element_type=jnp.float32)
-  return _combine(T, order, k, weights, y.reshape(nt * m, H)[prow], h.dtype)
+  tile_expert = jnp.minimum(jnp.sum(tile_end[None, :] <= i[:, None], axis=1), num_experts - 1)
+  return TileLayout(order, prow.astype(jnp.int32), tile_expert.astype(jnp.int32),
+                    tile_end[-1].astype(jnp.int32), tile, nt)
+
+
+def _tiled_rows(h, layout: TileLayout, k: int):
+  """The sorted rows of h scattered into the padded tile layout: [NT * m, H] (padding rows 0)."""
+  return jnp.zeros((layout.num_tiles * layout.tile, h.shape[1]), h.dtype).at[layout.prow].set(
+      h[layout.order // k])
+
+
+def moe_tiles(h, lp, weights, experts, tile: int | None = None):
+  """Grouped formulation on expert-homogeneous tiles, jnp (see module docstring). Returns [T, H]."""
+  T, H = h.shape
+  k = experts.shape[1]
+  E = lp["router"].shape[-1]
+  lay = tile_layout(experts, E, tile or tile_size(T * k, E))
+  nt, m, te = lay.num_tiles, lay.tile, lay.tile_expert
+  x = _tiled_rows(h, lay, k).reshape(nt, m, H)
+  a = _swiglu(x, lp["w_gate"][te], lp["w_up"][te], "nmh,nhf->nmf")
+  y = jnp.einsum("nmf,nfh->nmh", a, lp["w_down"][te], preferred_element_type=jnp.float32)
+  return _combine(T, lay.order, k, weights, y.reshape(nt * m, H)[lay.prow], h.dtype)
+
+
+def moe_pallas(h, lp, weights, experts, tile: int | None = None, interpret: bool | None = None):
+  """The same tile layout through the Pallas grouped-matmul kernel (``pallas_kernels.grouped_matmul``):
+  each tile reads its expert's weights in place and inactive tiles are skipped. Returns [T, H]."""
+  from pallas_kernels.grouped_matmul import grouped_matmul  # pylint: disable=import-outside-toplevel
+  T = h.shape[0]
+  k = experts.shape[1]
+  E = lp["router"].shape[-1]
+  lay = tile_layout(experts, E, tile or max(PALLAS_MIN_TILE, tile_size(T * k, E)))
+  gmm = functools.partial(grouped_matmul, tile_expert=lay.tile_expert, num_active=lay.num_active,
+                          tile_m=lay.tile, out_dtype=jnp.float32, interpret=interpret)
+  x = _tiled_rows(h, lay, k)
+  a = (jax.nn.silu(gmm(x, lp["w_gate"])) * gmm(x, lp["w_up"])).astype(h.dtype)
+  y = gmm(a, lp["w_down"])
+  return _combine(T, lay.order, k, weights, y[lay.prow], h.dtype)
 
 
 def moe_ragged_dot(h, lp, weights, experts):
@@ -124,13 +173,19 @@ def moe_ragged_dot(h, lp, weights, experts):
   return _combine(T, order, k, weights, y, h.dtype)
 
 
-_IMPLS = {"dense": moe_dense, "tiles": moe_tiles, "ragged_dot": moe_ragged_dot}
+_IMPLS = {"dense": moe_dense, "tiles": moe_tiles, "pallas": moe_pallas, "ragged_dot": moe_ragged_dot}
+
+
+def default_impl() -> str:
+  """What ``auto`` means: the Pallas kernel on a GPU (as the attention backend), ``tiles`` elsewhere (the
+  kernel runs there only in interpret mode)."""
+  return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "tiles"
 
 
 def moe_mlp(h: jax.Array, lp, k: int, impl: str = AUTO) -> jax.Array:
   """Routed SwiGLU experts of one layer (``lp``: that layer's params). ``impl``: one of MOE_IMPLS or auto
-  (= tiles). Returns [T, H] in h's dtype."""
-  name = "tiles" if impl == AUTO else impl
+  (``default_impl()``). Returns [T, H] in h's dtype."""
+  name = default_impl() if impl == AUTO else impl
   if name not in _IMPLS:
     raise ValueError(f"unknown MoE implementation {impl!r}; known: {(AUTO,) + MOE_IMPLS}")
   weights, experts = route(h, lp["router"], k)
