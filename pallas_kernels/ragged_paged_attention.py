@@ -27,6 +27,11 @@ soft-max in float32 (exp2 domain). ``num_splits > 1`` is split-K (flash-decoding
 share of that tile's KV steps and writes un-normalised partials ``(o, m, l)``, merged in jnp afterwards.
 ``layer`` is passed as an int32 array so it may be a traced scalar (the model scans over layers).
 
+*Sliding window.* With ``window=W`` (an int32 scalar input, may be traced per layer; ``W <= 0`` = full), a
+tile's first query at ``pos_start`` sees no key below ``pos_start - W + 1``, so the KV walk starts at the
+step holding that key: blocks wholly outside the window are never read. Keys inside the walked steps but
+outside a row's window are masked.
+
 *Backends.* The kernel body is written against plain Pallas ref indexing; ``_triton_tiled_attention`` builds
 the ``pallas_call`` with Triton ``CompilerParams`` (selecting the Triton lowering explicitly on GPU) or runs it
 in interpret mode on CPU. Another backend (e.g. Mosaic GPU) only has to implement ``TiledAttentionFn`` and be
@@ -242,12 +247,14 @@ def tile_metadata(query_start_loc: jax.Array, context_lens: jax.Array, num_token
 # Kernel.
 
 
-def _attention_kernel(layer_ref, block_tables_ref, t_seq_ref, t_tok_ref, t_nq_ref, t_pos_ref,  # scalars
+def _attention_kernel(layer_ref, window_ref, block_tables_ref, t_seq_ref, t_tok_ref, t_nq_ref, t_pos_ref,
                       q_ref, kv_ref,                                                          # tensors
-                      *out_refs, cfg: KernelConfig, block_size: int, scale_log2: float, precision):
+                      *out_refs, cfg: KernelConfig, block_size: int, scale_log2: float, precision,
+                      windowed: bool):
   """One (query tile, kv head, split) program.
 
-  Refs: layer_ref [1]; block_tables_ref [S, MBp]; t_*_ref [NT]; q_ref [Hkv, (T + tile_q) * Gp, D] (rows of a
+  Refs: layer_ref [1]; window_ref [1] (read only when ``windowed``; <= 0 = full attention);
+  block_tables_ref [S, MBp]; t_*_ref [NT]; q_ref [Hkv, (T + tile_q) * Gp, D] (rows of a
   tile are contiguous); kv_ref [NB, L, 2, BS, Hkv, D]. Outputs: o_ref [M, D] (normalised, q dtype) when
   num_splits == 1, else (o_ref [M, D] f32, m_ref [M] f32 (log2 domain), l_ref [M] f32).
   """
@@ -267,8 +274,13 @@ def _attention_kernel(layer_ref, block_tables_ref, t_seq_ref, t_tok_ref, t_nq_re
 
   kv_len = jnp.where(nq > 0, pos0 + nq, 0)                       # keys this tile may see
   n_iter = (kv_len + keys_per_iter - 1) // keys_per_iter
-  per_split = (n_iter + cfg.num_splits - 1) // cfg.num_splits
-  start = split * per_split
+  first_iter = 0
+  if windowed:   # skip the steps wholly below the first query's window
+    window = window_ref[0]
+    first_key = jnp.where(window > 0, jnp.maximum(pos0 - window + 1, 0), 0)
+    first_iter = jnp.minimum(first_key // keys_per_iter, n_iter)
+  per_split = (n_iter - first_iter + cfg.num_splits - 1) // cfg.num_splits
+  start = first_iter + split * per_split
   end = jnp.minimum(start + per_split, n_iter)
 
   q = q_ref[h, pl.ds(tok * cfg.group_p, rows), :]                # [M, D]
@@ -286,6 +298,8 @@ def _attention_kernel(layer_ref, block_tables_ref, t_seq_ref, t_tok_ref, t_nq_re
                         preferred_element_type=jnp.float32) * scale_log2   # [M, K]
     key_pos = j * keys_per_iter + key_iota
     mask = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < kv_len)
+    if windowed:
+      mask &= (window <= 0) | (key_pos[None, :] > row_pos[:, None] - window)
     s = jnp.where(mask, s, _MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     alpha = jnp.exp2(m - m_new)
@@ -316,13 +330,14 @@ class TiledAttentionFn(Protocol):
   """Backend contract: runs the tiled kernel, returns (o, m, l).
 
   Args: q_rows [Hkv, (T + tile_q) * Gp, D]; kv_cache [NB, L, 2, BS, Hkv, D]; layer [1] int32;
-  block_tables [S, MBp] int32 (MBp a multiple of blocks_per_iter); tiles (TileMetadata, [NT] each).
+  window None (full attention) or [1] int32 (sliding window, <= 0 = full); block_tables [S, MBp] int32
+  (MBp a multiple of blocks_per_iter); tiles (TileMetadata, [NT] each).
   Returns with num_splits == 1: (o [1, NT, Hkv, M, D] in q dtype, normalised; None; None); else
   (o [P, NT, Hkv, M, D] f32 un-normalised, m [P, NT, Hkv, M] f32 running max in log2 units, l [P, NT, Hkv, M]).
   """
 
   def __call__(self, q_rows, kv_cache, layer, block_tables, tiles: TileMetadata, *, cfg: KernelConfig,
-               scale: float, interpret: bool): ...
+               scale: float, interpret: bool, window=None): ...
 
 
 def _full_spec(shape):
@@ -330,7 +345,7 @@ def _full_spec(shape):
 
 
 def _triton_tiled_attention(q_rows, kv_cache, layer, block_tables, tiles: TileMetadata, *,
-                            cfg: KernelConfig, scale: float, interpret: bool):
+                            cfg: KernelConfig, scale: float, interpret: bool, window=None):
   """Pallas + Triton backend (interpret mode on CPU)."""
   num_kv_heads = kv_cache.shape[4]
   head_dim = kv_cache.shape[5]
@@ -339,10 +354,12 @@ def _triton_tiled_attention(q_rows, kv_cache, layer, block_tables, tiles: TileMe
   rows = cfg.rows
   splits = cfg.num_splits
   precision = lax.Precision.HIGHEST if q_rows.dtype == jnp.float32 else None
+  windowed = window is not None
   kernel = functools.partial(_attention_kernel, cfg=cfg, block_size=block_size,
-                             scale_log2=float(scale) * _LOG2E, precision=precision)
+                             scale_log2=float(scale) * _LOG2E, precision=precision, windowed=windowed)
   grid = (num_tiles, num_kv_heads, splits)
-  scalar_inputs = (layer, block_tables, tiles.seq, tiles.tok_start, tiles.num_q, tiles.pos_start)
+  window_arr = window if windowed else jnp.zeros((1,), jnp.int32)
+  scalar_inputs = (layer, window_arr, block_tables, tiles.seq, tiles.tok_start, tiles.num_q, tiles.pos_start)
   in_specs = [_full_spec(x.shape) for x in scalar_inputs] + [_full_spec(q_rows.shape),
                                                              _full_spec(kv_cache.shape)]
   if splits == 1:
@@ -399,7 +416,8 @@ def _merge_splits(o, m, l):
 
 
 def ragged_paged_attention(q, kv_cache, layer, block_tables, context_lens, query_start_loc, *,
-                           scale: float, interpret: Optional[bool] = None, decode: Optional[bool] = None,
+                           scale: float, window=None, interpret: Optional[bool] = None,
+                           decode: Optional[bool] = None,
                            backend: str = "triton", tile_q: Optional[int] = None,
                            blocks_per_iter: Optional[int] = None, num_splits: Optional[int] = None,
                            num_warps: Optional[int] = None, num_stages: Optional[int] = None):
@@ -411,6 +429,8 @@ def ragged_paged_attention(q, kv_cache, layer, block_tables, context_lens, query
     layer: int or int32 scalar (may be traced).
     block_tables: [S, MB] int32. context_lens: [S] int32 (incl. new tokens). query_start_loc: [S+1] int32.
     scale: soft-max scale.
+    window: None (full causal attention) or a sliding window W (int or int32 scalar, may be traced; the
+      query at p sees keys p - W < k <= p; W <= 0 = full). KV blocks wholly outside it are not read.
     interpret: None -> interpret mode unless running on GPU.
     decode: tiling hint; None -> ``T <= max(S, 8)`` (a decode-sized batch). Only speed depends on it, never
       results.
@@ -438,14 +458,16 @@ def ragged_paged_attention(q, kv_cache, layer, block_tables, context_lens, query
                     num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
   _validate(cfg, head_dim=head_dim, block_size=block_size, interpret=interpret)
   return _ragged_paged_attention_impl(q, kv_cache, layer, block_tables, context_lens, query_start_loc,
-                                      scale=float(scale), interpret=bool(interpret), cfg=cfg, backend=backend)
+                                      window, scale=float(scale), interpret=bool(interpret), cfg=cfg,
+                                      backend=backend)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "cfg", "backend", "one_query_per_seq"))
-def _ragged_paged_attention_impl(q, kv_cache, layer, block_tables, context_lens, query_start_loc, *,
-                                 scale: float, interpret: bool, cfg: KernelConfig, backend: str,
-                                 one_query_per_seq: bool = False):
-  """Shared core. one_query_per_seq: q[b] is sequence b's only query (query_start_loc ignored)."""
+def _ragged_paged_attention_impl(q, kv_cache, layer, block_tables, context_lens, query_start_loc,
+                                 window=None, *, scale: float, interpret: bool, cfg: KernelConfig,
+                                 backend: str, one_query_per_seq: bool = False):
+  """Shared core. one_query_per_seq: q[b] is sequence b's only query (query_start_loc ignored).
+  window: None (static: no window code at all) or an int32 scalar."""
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads = kv_cache.shape[4]
   group = num_q_heads // num_kv_heads
@@ -459,8 +481,9 @@ def _ragged_paged_attention_impl(q, kv_cache, layer, block_tables, context_lens,
   bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad_blocks)))
   layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
   q_rows = _prepare_q(q, num_kv_heads, cfg)
+  kw = {} if window is None else {"window": jnp.asarray(window, jnp.int32).reshape(1)}
   o, m, l = BACKENDS[backend](q_rows, kv_cache, layer_arr, bt, tiles, cfg=cfg, scale=scale,
-                              interpret=interpret)
+                              interpret=interpret, **kw)
   # Rows back to tokens: token t, kv head h, group member g -> [tile(t), h, row(t) * Gp + g]; gathered
   # before the split merge so the merge only touches real rows.
   row = token_row[:, None] * cfg.group_p + jnp.arange(group, dtype=jnp.int32)[None, :]   # [T, G]
@@ -474,7 +497,7 @@ def _ragged_paged_attention_impl(q, kv_cache, layer, block_tables, context_lens,
   return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
-def paged_decode_attention(q, kv_cache, layer, block_tables, context_lens, *, scale: float,
+def paged_decode_attention(q, kv_cache, layer, block_tables, context_lens, *, scale: float, window=None,
                            interpret: Optional[bool] = None, **kwargs):
   """Decode: one query per sequence. q [B, Hq, D], block_tables [B, MB], context_lens [B] -> [B, Hq, D].
 
@@ -496,6 +519,6 @@ def paged_decode_attention(q, kv_cache, layer, block_tables, context_lens, *, sc
                     num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, block_size=block_size, decode=True,
                     interpret=interpret, itemsize=jnp.dtype(kv_cache.dtype).itemsize, **kwargs)
   _validate(cfg, head_dim=kv_cache.shape[5], block_size=block_size, interpret=interpret)
-  return _ragged_paged_attention_impl(q, kv_cache, layer, block_tables, context_lens, None,
+  return _ragged_paged_attention_impl(q, kv_cache, layer, block_tables, context_lens, None, window,
                                       scale=float(scale), interpret=bool(interpret), cfg=cfg, backend=backend,
                                       one_query_per_seq=True)

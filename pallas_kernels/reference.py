@@ -15,6 +15,9 @@ A *ragged batch* packs S sequences' new query tokens into one flat token axis of
                                   non-decreasing; padding sequences have an empty range; tokens at or past
                                   query_start_loc[S] are padding.
   scale           python float    soft-max scale (usually head_dim ** -0.5).
+  window          optional keyword: None (default) = full causal attention; else an int or int32 scalar
+                  (may be traced) W: if W > 0 the query at position p sees only keys p - W < k <= p (a
+                  sliding window of W keys, transformers' / Mistral's convention); W <= 0 = no window.
 
 Query j of sequence s (q_len = query_start_loc[s+1] - query_start_loc[s]) sits at position
 ``context_lens[s] - q_len + j`` and attends to cached keys at positions 0..that position (causal inside the
@@ -43,8 +46,14 @@ def token_metadata(query_start_loc: jax.Array, context_lens: jax.Array, num_toke
   return seq_idx, pos.astype(jnp.int32), valid
 
 
+def window_mask(key_pos: jax.Array, query_pos: jax.Array, window) -> jax.Array:
+  """True where a key is inside the sliding window of its query (broadcasting); all True for W <= 0."""
+  w = jnp.asarray(window, jnp.int32)
+  return (w <= 0) | (key_pos > query_pos - w)
+
+
 def ragged_paged_attention_reference(q, kv_cache, layer, block_tables, context_lens, query_start_loc,
-                                     *, scale: float):
+                                     *, scale: float, window=None):
   """Gather-based reference: each token gathers its sequence's blocks. Memory O(T * MB * BS * Hkv * D)."""
   T, Hq, D = q.shape
   Hkv = kv_cache.shape[4]
@@ -63,6 +72,8 @@ def ragged_paged_attention_reference(q, kv_cache, layer, block_tables, context_l
   s = jnp.einsum("thgd,tkhd->thgk", qf, k_tok) * scale      # [T, Hkv, g, K]
   key_pos = jnp.arange(MB * BS, dtype=jnp.int32)
   mask = (key_pos[None, :] <= pos[:, None]) & valid[:, None]  # [T, K]
+  if window is not None:
+    mask &= window_mask(key_pos[None, :], pos[:, None], window)
   s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
   m = jnp.max(s, axis=-1, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, 0.0)

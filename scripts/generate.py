@@ -71,7 +71,10 @@ def main(argv):
     return 2
   import jax  # pylint: disable=import-outside-toplevel
   from superinfer_jax.engine.engine import LLMEngine  # pylint: disable=import-outside-toplevel
+  from superinfer_jax.model.api import load_model_config  # pylint: disable=import-outside-toplevel
   try:
+    estimate = load_model_config(FLAGS.model).memory_estimate(config.model.dtype, config.block_size)
+    print(estimate.describe(config.num_device_blocks), file=sys.stderr, flush=True)   # before the weights load
     engine = LLMEngine(FLAGS.model, config)
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)

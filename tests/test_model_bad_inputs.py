@@ -62,7 +62,7 @@ def test_missing_config_field(tiny, tmp_path):
     load_model(path)
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "mixtral"])
+@pytest.mark.parametrize("model_type", ["gpt2", "gemma"])
 def test_unsupported_architecture(tiny, tmp_path, model_type):
   path = _copy(tiny[1], tmp_path)
   _edit_config(path, model_type=model_type)
@@ -70,12 +70,11 @@ def test_unsupported_architecture(tiny, tmp_path, model_type):
     load_model(path)
 
 
-def test_mixtral_forward_is_rejected(tiny):
-  _, _, _, params = tiny
-  cfg = load_config("mixtral-8x7b")
-  batch, _ = build_batch([([1], 0, [1])], 16)
-  with pytest.raises(UnsupportedModelError, match="mixtral"):
-    forward(params, None, batch, cfg, "reference")
+def test_mixtral_dir_without_expert_tensors_is_rejected(tiny, tmp_path):
+  path = _copy(tiny[1], tmp_path)
+  _edit_config(path, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+  with pytest.raises(WeightLoadError, match="block_sparse_moe"):
+    load_model(path)
 
 
 def test_truncated_safetensors(tiny, tmp_path):

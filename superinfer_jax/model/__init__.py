@@ -16,11 +16,11 @@ Imports between the submodules (acyclic, checked by tests/test_model_imports.py)
 
   convert   -> api, config, loaders.orbax_io, tokenizer
   api       -> batch, config, forward, params, paths, loaders.{gguf_loader, hf, orbax_io}
-  forward   -> attention, batch, config, params
+  forward   -> attention, batch, config, moe, params
   tokenizer -> paths; loaders.gguf_loader only inside tokenizer_from_gguf (it imports JAX)
   loaders.* -> config, params (hf also -> loaders.safetensors_io); never api, tokenizer or convert
   params    -> config
-  paths, config, batch, attention, testing: no other model module
+  paths, config, batch, attention, moe, testing: no other model module
 """
 from __future__ import annotations
 

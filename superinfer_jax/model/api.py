@@ -32,18 +32,38 @@ def load_model(path_or_name: str, dtype: str = "float32") -> tuple[ModelConfig, 
     the problem otherwise. Nothing is returned half-loaded.
   """
   check_dtype(dtype)
+  path, kind = _locate(path_or_name)
+  if kind == "orbax":
+    return orbax_io.load_orbax(path, dtype)
+  if kind == "hf":
+    return hf.load_hf_dir(path, dtype)
+  return gguf_loader.load_gguf(path, dtype)
+
+
+def load_model_config(path_or_name: str) -> ModelConfig:
+  """Only the ``ModelConfig`` of what ``load_model`` would load (no weights read): for sizing up front."""
+  path, kind = _locate(path_or_name)
+  if kind == "orbax":
+    return orbax_io.read_orbax_config(path)[0]
+  if kind == "hf":
+    return hf.read_hf_config(path)
+  return gguf_loader.read_config(path)
+
+
+def _locate(path_or_name: str) -> tuple[str, str]:
+  """(resolved path, "orbax" | "hf" | "gguf"); FileNotFoundError / ValueError as ``load_model`` documents."""
   path = resolve_model_path(path_or_name)
   if not os.path.exists(path):
     raise FileNotFoundError(f"no model at {path!r} (not a path; built-in names: {BUILTIN_MODELS})")
   if os.path.isdir(path):
     if orbax_io.is_orbax_dir(path):
-      return orbax_io.load_orbax(path, dtype)
+      return path, "orbax"
     if hf.is_hf_dir(path):
-      return hf.load_hf_dir(path, dtype)
+      return path, "hf"
     raise FileNotFoundError(f"{path} is neither an HF model dir (config.json) nor an orbax checkpoint "
                             f"({orbax_io.CONFIG_FILE})")
   if path.endswith(".gguf"):
-    return gguf_loader.load_gguf(path, dtype)
+    return path, "gguf"
   raise ValueError(f"{path}: unknown model file type (expected a .gguf file or a directory)")
 
 

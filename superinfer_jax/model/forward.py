@@ -1,20 +1,28 @@
 """Functional Llama-family forward over the paged, block-first KV cache.
 
 ``forward(params, kv_cache, batch, cfg, attention)`` runs one ragged step (prefill chunks and decode tokens
-mixed): embed -> L x [RMSNorm, q/k/v (+bias), RoPE, write K/V into the cache at ``slot_mapping``,
-paged attention, o-proj, residual, RMSNorm, SwiGLU MLP, residual] -> final RMSNorm -> logits of the rows
-``logits_indices``. Layers are stacked and run with ``lax.scan`` (one compiled layer body, whatever L is).
+mixed): embed -> L x [RMSNorm, q/k/v (+bias), RoPE (scaled per ``cfg.rope_type``), write K/V into the cache
+at ``slot_mapping``, paged attention (sliding window on the layers ``cfg`` names), o-proj, residual,
+RMSNorm, SwiGLU MLP or top-k mixture of SwiGLU experts (``superinfer_jax.model.moe``), residual] -> final
+RMSNorm -> logits of the rows ``logits_indices``. Layers are stacked and run with ``lax.scan`` (one compiled
+layer body, whatever L is; MoE expert weights are stacked inside each layer).
 
-``step`` is the jitted forward: ``kv_cache`` donated, ``cfg`` and ``attention`` static.
+Numerics: activations and the residual stream are in the params' dtype (bf16 or f32); every matmul
+accumulates in f32 (``preferred_element_type``) and RMSNorm, RoPE, soft-max and routing run in f32.
+
+``step`` is the jitted forward: ``kv_cache`` donated, ``cfg``, ``attention`` and ``moe`` static.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from pallas_kernels.reference import token_metadata
 from superinfer_jax.model.attention import resolve_attention
 from superinfer_jax.model.batch import BatchInputs
 from superinfer_jax.model.config import ModelConfig
+from superinfer_jax.model.moe import matmul, moe_mlp
 from superinfer_jax.model.params import DTYPES
 
 
@@ -36,10 +44,45 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   return weight * y.astype(x.dtype)
 
 
-def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-  """cos, sin ``[T, head_dim // 2]`` float32 for the half-split (HF ``rotate_half``) RoPE convention."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+  """``[head_dim // 2]`` float32 inverse frequencies (transformers' ``ROPE_INIT_FUNCTIONS``), static.
+
+  "default" / "dynamic": ``theta ** (-2i / D)`` (dynamic rescales per sequence, see ``rope_cos_sin``);
+  "linear": divided by ``factor``; "llama3": Llama-3.1's band-wise scaling."""
+  d = cfg.head_dim
+  inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))))
+  inv = inv.astype(np.float32)
+  if cfg.rope_type == "linear":
+    inv = inv / np.float32(cfg.rope_factor)
+  elif cfg.rope_type == "llama3":
+    factor, old = np.float32(cfg.rope_factor), np.float32(cfg.rope_original_max_positions)
+    low, high = np.float32(cfg.rope_low_freq_factor), np.float32(cfg.rope_high_freq_factor)
+    wavelen = np.float32(2 * np.pi) / inv
+    scaled = np.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    inv = np.where(medium, smoothed, scaled)
+  return inv.astype(np.float32)
+
+
+def rope_cos_sin(cfg: ModelConfig, batch: BatchInputs) -> tuple[jax.Array, jax.Array]:
+  """cos, sin ``[T, head_dim // 2]`` float32 for the half-split (HF ``rotate_half``) RoPE convention.
+
+  "dynamic" (NTK) scaling uses, for each token, the base of its sequence's length after this step
+  (``context_lens``), as transformers does for the tokens of one forward call: a prompt scored in one
+  chunk matches transformers exactly; later chunks / decode tokens get the base of their own step (keys
+  already cached keep theirs, again as in transformers' cached generation)."""
+  pos = batch.positions.astype(jnp.float32)
+  inv = jnp.asarray(rope_inv_freq(cfg))[None, :]                       # [1, D/2]
+  if cfg.rope_type == "dynamic":
+    d = cfg.head_dim
+    seq_idx, _, _ = token_metadata(batch.query_start_loc, batch.context_lens, pos.shape[0])
+    orig = float(cfg.rope_original_max_positions)
+    seq_len = jnp.maximum(batch.context_lens[seq_idx].astype(jnp.float32), orig)
+    base = cfg.rope_theta * ((cfg.rope_factor * seq_len / orig) - (cfg.rope_factor - 1)) ** (d / (d - 2))
+    inv = 1.0 / (base[:, None] ** (jnp.arange(0, d, 2, dtype=jnp.float32)[None, :] / d))   # [T, D/2]
+  freqs = pos[:, None] * inv
   return jnp.cos(freqs), jnp.sin(freqs)
 
 
@@ -62,8 +105,8 @@ def write_kv(kv_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
   return kv_cache.at[blocks, layer, :, offsets].set(kv)
 
 
-def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, attention="reference"
-            ) -> tuple[jax.Array, jax.Array]:
+def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, attention="reference",
+            moe: str = "auto") -> tuple[jax.Array, jax.Array]:
   """One ragged model step.
 
   Args:
@@ -71,7 +114,10 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
     kv_cache: ``[NB, L, 2, BS, Hkv, D]`` block-first cache (block 0 = padding).
     batch: ``BatchInputs`` (T tokens, S sequences, R logit rows).
     cfg: model config (static).
-    attention: backend name or function with the ``pallas_kernels.reference`` contract (static).
+    attention: backend name or function with the ``pallas_kernels.reference`` contract (static). Called
+      with ``window=`` (a per-layer int32 scalar, <= 0 meaning full attention) only when ``cfg`` has
+      sliding-window layers, so backends without that keyword serve every other model.
+    moe: MoE formulation (static; ignored for dense models): see ``superinfer_jax.model.moe.MOE_IMPLS``.
   Returns:
     ``(logits [R, vocab] float32, kv_cache with this step's K/V written)``.
   """
@@ -81,26 +127,33 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
   Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   scale = D ** -0.5
   x = params["embed"][batch.token_ids]                                  # [T, H]
-  cos, sin = rope_cos_sin(batch.positions, D, cfg.rope_theta)
+  cos, sin = rope_cos_sin(cfg, batch)
+  windows = cfg.layer_windows()
 
   def layer_body(carry, xs):
     x, kv = carry
-    lp, layer = xs
+    lp, layer, window = xs
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+    q, k, v = matmul(h, lp["wq"]), matmul(h, lp["wk"]), matmul(h, lp["wv"])
     if cfg.qkv_bias:
       q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = apply_rope(q.reshape(T, Hq, D), cos, sin)
     k = apply_rope(k.reshape(T, Hkv, D), cos, sin)
     kv = write_kv(kv, layer, k, v.reshape(T, Hkv, D), batch.slot_mapping)
-    o = attn(q, kv, layer, batch.block_tables, batch.context_lens, batch.query_start_loc, scale=scale)
-    x = x + o.reshape(T, Hq * D).astype(x.dtype) @ lp["wo"]
+    kw = {} if windows is None else {"window": window}
+    o = attn(q, kv, layer, batch.block_tables, batch.context_lens, batch.query_start_loc, scale=scale, **kw)
+    x = x + matmul(o.reshape(T, Hq * D).astype(x.dtype), lp["wo"])
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+    if cfg.is_moe:
+      x = x + moe_mlp(h, lp, cfg.num_experts_per_token, impl=moe)
+    else:
+      x = x + matmul((jax.nn.silu(matmul(h, lp["w_gate"], out=jnp.float32))
+                      * matmul(h, lp["w_up"], out=jnp.float32)).astype(h.dtype), lp["w_down"])
     return (x, kv), None
 
   layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-  (x, kv_cache), _ = jax.lax.scan(layer_body, (x, kv_cache), (params["layers"], layer_ids))
+  layer_windows = jnp.asarray(windows or (0,) * cfg.num_layers, jnp.int32)
+  (x, kv_cache), _ = jax.lax.scan(layer_body, (x, kv_cache), (params["layers"], layer_ids, layer_windows))
   x = rms_norm(x[batch.logits_indices], params["final_norm"], cfg.rms_norm_eps)   # [R, H]
   if cfg.tie_word_embeddings:
     logits = jnp.einsum("rh,vh->rv", x, params["embed"], preferred_element_type=jnp.float32)
@@ -109,5 +162,5 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
   return logits.astype(jnp.float32), kv_cache
 
 
-# Jitted ``forward``: ``kv_cache`` donated, ``cfg`` and ``attention`` static.
-step = jax.jit(forward, static_argnames=("cfg", "attention"), donate_argnames=("kv_cache",))
+# Jitted ``forward``: ``kv_cache`` donated, ``cfg``, ``attention`` and ``moe`` static.
+step = jax.jit(forward, static_argnames=("cfg", "attention", "moe"), donate_argnames=("kv_cache",))

@@ -11,9 +11,10 @@ so activations multiply on the left, ``x @ w``)::
     wv        [L, H, Hkv*D]     bv [L, Hkv*D]  (qkv_bias only)
     wo        [L, Hq*D, H]
     mlp_norm  [L, H]
-    w_gate    [L, H, F]
-    w_up      [L, H, F]
-    w_down    [L, F, H]
+    w_gate    [L, H, F]         MoE (mixtral): [L, E, H, F]
+    w_up      [L, H, F]         MoE: [L, E, H, F]
+    w_down    [L, F, H]         MoE: [L, E, F, H]
+    router    [L, H, E]         (MoE only)
   final_norm  [H]
   lm_head     [H, V]            (untied embeddings only; tied models use embed.T)
 
@@ -54,6 +55,9 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
       "attn_norm": (L, H), "wq": (L, H, Q), "wk": (L, H, KV), "wv": (L, H, KV), "wo": (L, Q, H),
       "mlp_norm": (L, H), "w_gate": (L, H, F), "w_up": (L, H, F), "w_down": (L, F, H),
   }
+  if cfg.is_moe:
+    E = cfg.num_experts
+    layers.update(w_gate=(L, E, H, F), w_up=(L, E, H, F), w_down=(L, E, F, H), router=(L, H, E))
   if cfg.qkv_bias:
     layers.update(bq=(L, Q), bk=(L, KV), bv=(L, KV))
   shapes = {"embed": (V, H), "layers": layers, "final_norm": (H,)}
@@ -81,24 +85,34 @@ def check_param_shapes(cfg: ModelConfig, params: Any, source: str = "params") ->
   walk(expected, params, "")
 
 
-def _hf_layer_names(i: int, qkv_bias: bool) -> dict[str, tuple[str, bool]]:
-  """Our per-layer name -> (HF tensor name, transpose?)."""
+def _hf_layer_names(i: int, cfg: ModelConfig) -> dict[str, tuple]:
+  """Our per-layer name -> (HF tensor name, transpose?) or, for MoE experts, a tuple of one such pair per
+  expert (stacked on the expert axis). Mixtral names are the hub checkpoints' ``block_sparse_moe.*``."""
   p = f"model.layers.{i}."
-  names = {
+  names: dict[str, tuple] = {
       "attn_norm": (p + "input_layernorm.weight", False),
       "wq": (p + "self_attn.q_proj.weight", True),
       "wk": (p + "self_attn.k_proj.weight", True),
       "wv": (p + "self_attn.v_proj.weight", True),
       "wo": (p + "self_attn.o_proj.weight", True),
       "mlp_norm": (p + "post_attention_layernorm.weight", False),
-      "w_gate": (p + "mlp.gate_proj.weight", True),
-      "w_up": (p + "mlp.up_proj.weight", True),
-      "w_down": (p + "mlp.down_proj.weight", True),
   }
-  if qkv_bias:
+  if cfg.is_moe:
+    moe = p + "block_sparse_moe."
+    names["router"] = (moe + "gate.weight", True)
+    for ours, theirs in (("w_gate", "w1"), ("w_down", "w2"), ("w_up", "w3")):
+      names[ours] = tuple((f"{moe}experts.{e}.{theirs}.weight", True) for e in range(cfg.num_experts))
+  else:
+    names.update(w_gate=(p + "mlp.gate_proj.weight", True), w_up=(p + "mlp.up_proj.weight", True),
+                 w_down=(p + "mlp.down_proj.weight", True))
+  if cfg.qkv_bias:
     names.update(bq=(p + "self_attn.q_proj.bias", False), bk=(p + "self_attn.k_proj.bias", False),
                  bv=(p + "self_attn.v_proj.bias", False))
   return names
+
+
+def _is_stacked(entry: tuple) -> bool:
+  return isinstance(entry[0], tuple)
 
 
 def expected_hf_names(cfg: ModelConfig) -> set[str]:
@@ -106,7 +120,8 @@ def expected_hf_names(cfg: ModelConfig) -> set[str]:
   if not cfg.tie_word_embeddings:
     names.add("lm_head.weight")
   for i in range(cfg.num_layers):
-    names.update(n for n, _ in _hf_layer_names(i, cfg.qkv_bias).values())
+    for entry in _hf_layer_names(i, cfg).values():
+      names.update(n for n, _ in (entry if _is_stacked(entry) else (entry,)))
   return names
 
 
@@ -157,9 +172,15 @@ def params_from_hf_tensors(cfg: ModelConfig, get_tensor: Callable[[str], np.ndar
   }
   if not cfg.tie_word_embeddings:
     host["lm_head"] = fetch("lm_head.weight", True, shapes["lm_head"])
-  per_layer = [_hf_layer_names(i, cfg.qkv_bias) for i in range(cfg.num_layers)]
+  per_layer = [_hf_layer_names(i, cfg) for i in range(cfg.num_layers)]
+
+  def fetch_entry(entry, want_shape):
+    if _is_stacked(entry):   # one tensor per expert -> [E, ...]
+      return np.stack([fetch(n, tr, want_shape[1:]) for n, tr in entry])
+    return fetch(*entry, want_shape)
+
   for key, shape in shapes["layers"].items():
-    host["layers"][key] = np.stack([fetch(*per_layer[i][key], shape[1:]) for i in range(cfg.num_layers)])
+    host["layers"][key] = np.stack([fetch_entry(per_layer[i][key], shape[1:]) for i in range(cfg.num_layers)])
   return jax.tree.map(jnp.asarray, host)
 
 

@@ -7,22 +7,31 @@ TINY_SHAPES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hid
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+              "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
+
+
 def make_tiny_hf_model(family: str, *, tied: bool = False, seed: int = 0, **overrides):
-  """A random tiny ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (float32, eval mode)."""
+  """A random tiny ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``MixtralForCausalLM`` / ``MistralForCausalLM``
+  (float32, eval mode). ``overrides`` go to the HF config (e.g. ``rope_parameters``, ``use_sliding_window``,
+  ``num_local_experts``); Mixtral defaults to 4 experts, top-2."""
   import torch
-  from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-  classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
-  config_cls, model_cls = classes[family]
+  import transformers
+  config_name, model_name = HF_CLASSES[family]
   kwargs = dict(TINY_SHAPES, tie_word_embeddings=tied, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
   if family == "llama":
     kwargs["rope_theta"] = 500.0
+  if family == "mixtral":
+    kwargs.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
   kwargs.update(overrides)
   torch.manual_seed(seed)
-  model = model_cls(config_cls(**kwargs)).eval()
+  model = getattr(transformers, model_name)(getattr(transformers, config_name)(**kwargs)).eval()
   with torch.no_grad():  # norms are 1 at init: randomize them so a mis-mapped norm weight shows
     for name, p in model.named_parameters():
       if "norm" in name or name.endswith(".bias"):
         p.add_(0.1 * torch.randn_like(p))
+      elif name.endswith("gate.weight"):  # spread the router logits so top-k is far from ties
+        p.mul_(20.0)
   return model
 
 
@@ -34,6 +43,17 @@ def save_tiny_hf_model(path: str, family: str, *, tied: bool = False, max_shard_
   model.save_pretrained(path, safe_serialization=True, **kwargs)
   assert os.path.isfile(os.path.join(path, "config.json"))
   return model
+
+
+def torch_greedy(model, token_ids, max_new_tokens: int) -> list[int]:
+  """transformers' greedy ``generate`` (KV-cached, no early stop): the new token ids."""
+  import numpy as np
+  import torch
+  ids = torch.tensor(np.asarray(token_ids, np.int64)[None])
+  with torch.no_grad():
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                         eos_token_id=[], pad_token_id=0)   # no stop token, and EOS is not masked either
+  return out[0, ids.shape[1]:].tolist()
 
 
 def torch_logits(model, token_ids) -> "np.ndarray":  # noqa: F821
@@ -51,9 +71,11 @@ def llama_cpp_permute(w, n_head: int):
 
 
 def write_gguf_from_hf_model(path: str, model, *, quantize_q8: bool = False) -> None:
-  """Writes a transformers Llama model as a GGUF file the way llama.cpp's converter lays it out.
+  """Writes a transformers Llama (or Mixtral) model as a GGUF file the way llama.cpp's converter lays it out.
 
-  F32 tensors (or Q8_0 for 2-D weights when ``quantize_q8``), q/k rows permuted, llama.* metadata.
+  F32 tensors (or Q8_0 for 2-D weights when ``quantize_q8``), q/k rows permuted, llama.* metadata; Mixtral
+  as llama.cpp does: ``llama.expert_count`` / ``expert_used_count``, router ``ffn_gate_inp`` and merged
+  ``ffn_{gate,up,down}_exps`` ``[E, out, in]`` tensors.
   """
   import gguf
   import numpy as np
@@ -68,13 +90,29 @@ def write_gguf_from_hf_model(path: str, model, *, quantize_q8: bool = False) -> 
   w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
   w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
   w.add_vocab_size(c.vocab_size)
+  moe = getattr(c, "num_local_experts", 0)
+  if moe:
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
   names = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
            "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
            "self_attn.o_proj.weight": "attn_output.weight",
            "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
            "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+  tensors = []
   for name, t in model.state_dict().items():
     a = t.detach().float().numpy()
+    if name.endswith("mlp.experts.gate_up_proj"):         # transformers 5: [E, 2F, H] = gate ; up
+      f = a.shape[1] // 2
+      tensors += [(name.replace("gate_up_proj", "gate_exps"), a[:, :f]),
+                  (name.replace("gate_up_proj", "up_exps"), a[:, f:])]
+    elif name.endswith("mlp.experts.down_proj"):
+      tensors.append((name.replace("down_proj", "down_exps"), a))
+    else:
+      tensors.append((name, a))
+  names.update({"mlp.gate.weight": "ffn_gate_inp.weight", "mlp.experts.gate_exps": "ffn_gate_exps.weight",
+                "mlp.experts.up_exps": "ffn_up_exps.weight", "mlp.experts.down_exps": "ffn_down_exps.weight"})
+  for name, a in tensors:
     if name == "model.embed_tokens.weight":
       gname = "token_embd.weight"
     elif name == "model.norm.weight":

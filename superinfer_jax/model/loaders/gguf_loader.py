@@ -3,6 +3,11 @@
 llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` so that its RoPE (adjacent-pair
 rotation) matches HF's half-split rotation; ``unpermute_qk_rows`` undoes that (the same map transformers'
 GGUF loader applies), so the weights come out in HF layout and share ``params_from_hf_tensors``.
+
+Mixtral (llama.cpp: architecture ``llama`` with ``llama.expert_count``): the router ``blk.N.ffn_gate_inp``
+and the experts either merged (``blk.N.ffn_{gate,up,down}_exps``, ``[E, out, in]``; current llama.cpp) or
+one tensor per expert (``blk.N.ffn_{gate,up,down}.E``; older files) map to the HF names
+``block_sparse_moe.gate`` / ``block_sparse_moe.experts.E.w{1,3,2}``.
 """
 from __future__ import annotations
 
@@ -36,6 +41,28 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+_MOE_W = {"gate": "w1", "down": "w2", "up": "w3"}
+_MERGED_EXPERTS_RE = re.compile(r"^ffn_(gate|down|up)_exps\.weight$")
+_SPLIT_EXPERT_RE = re.compile(r"^ffn_(gate|down|up)\.(\d+)\.weight$")
+
+
+def _hf_names(t, cfg: ModelConfig) -> list[tuple[str, int | None]]:
+  """The HF tensor name(s) a GGUF tensor provides, with the expert index for a merged expert tensor."""
+  m = _BLOCK_RE.match(t.name)
+  if m is None:
+    return [(_GLOBAL_NAMES.get(t.name, f"<gguf:{t.name}>"), None)]   # unknown: reported as unexpected
+  layer, rest = m.group(1), m.group(2)
+  moe = f"model.layers.{layer}.block_sparse_moe."
+  if cfg.is_moe:
+    if rest == "ffn_gate_inp.weight":
+      return [(moe + "gate.weight", None)]
+    if mm := _MERGED_EXPERTS_RE.match(rest):
+      return [(f"{moe}experts.{e}.{_MOE_W[mm.group(1)]}.weight", e) for e in range(cfg.num_experts)]
+    if mm := _SPLIT_EXPERT_RE.match(rest):
+      return [(f"{moe}experts.{mm.group(2)}.{_MOE_W[mm.group(1)]}.weight", None)]
+  if rest in _LAYER_NAMES:
+    return [(f"model.layers.{layer}.{_LAYER_NAMES[rest]}", None)]
+  return [(f"<gguf:{t.name}>", None)]
 
 
 def open_gguf(path: str):
@@ -95,27 +122,23 @@ def read_config(path: str, reader=None) -> ModelConfig:
 
 
 def load_gguf(path: str, dtype: str = "float32") -> tuple[ModelConfig, Any]:
-  """(cfg, params) from a GGUF file (llama / qwen2 architectures; any quantization gguf can dequantize)."""
+  """(cfg, params) from a GGUF file (llama incl. Mixtral / qwen2; any quantization gguf can dequantize)."""
   import gguf
   reader = open_gguf(path)
   cfg = read_config(path, reader)
   cfg.check_supported()
   size = os.path.getsize(path)
-  by_hf_name = {}
+  tensors = {t.name: t for t in reader.tensors}
+  by_hf_name: dict[str, tuple[str, int | None]] = {}   # HF name -> (GGUF name, expert index of a merged one)
   for t in reader.tensors:
     if t.data_offset + t.n_bytes > size:
       raise WeightLoadError(f"{path}: truncated GGUF file: tensor {t.name} ends past the end of the file")
-    m = _BLOCK_RE.match(t.name)
-    if m and m.group(2) in _LAYER_NAMES:
-      hf_name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    elif t.name in _GLOBAL_NAMES:
-      hf_name = _GLOBAL_NAMES[t.name]
-    else:
-      hf_name = f"<gguf:{t.name}>"  # reported as unexpected by params_from_hf_tensors
-    by_hf_name[hf_name] = t
+    for hf_name, expert in _hf_names(t, cfg):
+      by_hf_name[hf_name] = (t.name, expert)
 
-  def get(hf_name: str) -> np.ndarray:
-    t = by_hf_name[hf_name]
+  @functools.lru_cache(maxsize=1)   # a merged expert tensor is read once for its E experts
+  def dequantized(name: str) -> np.ndarray:
+    t = tensors[name]
     try:
       w = gguf.quants.dequantize(np.asarray(t.data).view(np.ndarray), t.tensor_type)
     except Exception as e:
@@ -124,7 +147,18 @@ def load_gguf(path: str, dtype: str = "float32") -> tuple[ModelConfig, Any]:
     want = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
     if w.shape != want:
       raise WeightLoadError(f"{path}: tensor {t.name} dequantized to {w.shape}, header says {want}")
-    if cfg.family != "llama":  # only llama.cpp's LlamaModel converter permutes q/k
+    return w
+
+  def get(hf_name: str) -> np.ndarray:
+    name, expert = by_hf_name[hf_name]
+    t = tensors[name]
+    w = dequantized(name)
+    if expert is not None:
+      if w.ndim != 3 or w.shape[0] != cfg.num_experts:
+        raise WeightLoadError(f"{path}: merged expert tensor {t.name} has shape {w.shape}, expected "
+                              f"[{cfg.num_experts}, out, in]")
+      return w[expert]
+    if cfg.family not in ("llama", "mixtral"):  # only llama.cpp's LlamaModel converter permutes q/k
       return w
     if ".attn_q." in t.name:
       w = unpermute_qk_rows(w, cfg.num_heads)
