@@ -25,6 +25,10 @@ NUM_DEVICES = 4
 MODELS = {
     "llama": ("llama", dict()),
     "qwen2": ("qwen2", dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=3)),
+    # The other families: Mixtral MoE (4 experts, top-2: experts split by F inside each expert, router
+    # replicated) and Qwen2 with a 12-token window on layer 1 (the window reaches every shard's attention).
+    "mixtral": ("mixtral", dict()),
+    "qwen2_window": ("qwen2", dict(use_sliding_window=True, sliding_window=12, max_window_layers=1)),
 }
 TPS = (1, 2, 4)
 
@@ -71,10 +75,12 @@ def test_tp_pallas_backend_per_shard_matches(child_results):
 def test_tp_stored_kv_heads(child_results):
   facts, _ = child_results
   assert facts["stored_kv_heads"] == {"llama/tp1": 2, "llama/tp2": 2, "llama/tp4": 4,
-                                      "qwen2/tp1": 3, "qwen2/tp2": 6, "qwen2/tp4": 12}
+                                      "qwen2/tp1": 3, "qwen2/tp2": 6, "qwen2/tp4": 12,
+                                      "mixtral/tp1": 2, "mixtral/tp2": 2, "mixtral/tp4": 4,
+                                      "qwen2_window/tp1": 2, "qwen2_window/tp2": 2, "qwen2_window/tp4": 4}
 
 
-@pytest.mark.parametrize("key", ["llama/tp2", "llama/tp4", "qwen2/tp2", "qwen2/tp4"])
+@pytest.mark.parametrize("key", ["llama/tp2", "llama/tp4", "qwen2/tp2", "qwen2/tp4", "mixtral/tp2"])
 def test_weights_and_kv_are_sharded_one_over_tp_per_device(child_results, key):
   facts, _ = child_results
   tp = int(key.split("tp")[1])
@@ -105,6 +111,19 @@ def test_weights_and_kv_are_sharded_one_over_tp_per_device(child_results, key):
   # of this (only) process holds every slice.
   assert rec["device_block_bytes"] * kv["shape"][0] == kv["device_bytes"][0]
   assert rec["host_block_bytes"] * kv["shape"][0] == total
+
+
+def test_moe_experts_split_inside_each_expert(child_results):
+  """Mixtral at TP=2: every device holds every expert, half of each expert's F (columns of w_gate / w_up,
+  rows of w_down); the router is whole on every device."""
+  facts, _ = child_results
+  leaves = facts["placement"]["mixtral/tp2"]["leaves"]
+  L, E, H, F = leaves["layers/w_gate"]["shape"]
+  assert E == 4 and L == 2
+  assert leaves["layers/w_gate"]["shard_shapes"] == [[L, E, H, F // 2]] * 2
+  assert leaves["layers/w_up"]["shard_shapes"] == [[L, E, H, F // 2]] * 2
+  assert leaves["layers/w_down"]["shard_shapes"] == [[L, E, F // 2, H]] * 2
+  assert leaves["layers/router"]["shard_shapes"] == [[L, H, E]] * 2
 
 
 def test_rotated_block_host_copy_holds_every_shard(child_results):

@@ -7,6 +7,7 @@ per KV head, so each shard runs the backend on its own heads:
   q               [T, Hq, D]              sharded by query heads   (P(None, "tp", None))
   kv_cache        [NB, L, 2, BS, Hkv', D] sharded by KV heads      (parallel.sharding.KV_CACHE_SPEC)
   layer, block_tables, context_lens, query_start_loc               replicated (one plan drives every shard)
+  window (optional, sliding-window layers: int32 scalar)            replicated
   -> out          [T, Hq, D]              sharded by query heads
 
 Shard ``s`` holds query heads ``[s Hq/tp, (s+1) Hq/tp)`` and stored KV heads ``[s Hkv'/tp, (s+1) Hkv'/tp)``;
@@ -39,8 +40,18 @@ class ShardedAttention:
   mesh: Mesh
   backend: Any = "auto"
 
-  def __call__(self, q, kv_cache, layer, block_tables, context_lens, query_start_loc, *, scale: float):
-    attn = functools.partial(resolve_attention(self.backend), scale=scale)
-    per_shard = jax.shard_map(attn, mesh=self.mesh, out_specs=_HEADS,
-                              in_specs=(_HEADS, KV_CACHE_SPEC, P(), P(), P(), P()), check_vma=False)
-    return per_shard(q, kv_cache, layer, block_tables, context_lens, query_start_loc)
+  def __call__(self, q, kv_cache, layer, block_tables, context_lens, query_start_loc, *, scale: float,
+               window=None):
+    """The backend's contract; ``window`` (the model passes it only for sliding-window layers) is forwarded
+    replicated, so a backend without that keyword serves every other model."""
+    backend = resolve_attention(self.backend)
+    args = (q, kv_cache, layer, block_tables, context_lens, query_start_loc)
+    specs = (_HEADS, KV_CACHE_SPEC, P(), P(), P(), P())
+    if window is None:
+      attn = functools.partial(backend, scale=scale)
+    else:
+      def attn(*a):
+        return backend(*a[:-1], scale=scale, window=a[-1])
+      args, specs = args + (window,), specs + (P(),)
+    per_shard = jax.shard_map(attn, mesh=self.mesh, out_specs=_HEADS, in_specs=specs, check_vma=False)
+    return per_shard(*args)

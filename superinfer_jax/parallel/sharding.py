@@ -10,6 +10,8 @@ With mesh axis ``"tp"`` of size ``tp``:
   wo      [L, Q, H]    P(None, "tp", None)  row-parallel: one all-reduce after attention
   w_gate, w_up [L,H,F] P(None, None, "tp")  MLP columns ...
   w_down  [L, F, H]    P(None, "tp", None)  ... then rows: one all-reduce after the MLP
+  MoE experts: w_gate, w_up [L, E, H, F] and w_down [L, E, F, H] are split the same way inside every
+  expert (F columns, then F rows); the router [L, H, E] is replicated (axes are counted from the end)
   norms, anything else replicated           (a leaf this table does not name, e.g. a new family's, stays
                                              replicated: always correct, never sharded by accident)
 
@@ -37,11 +39,12 @@ from jax.sharding import PartitionSpec as P
 
 from superinfer_jax.parallel.mesh import TP_AXIS
 
-# Leaf name -> (axis sharded by "tp", dimension kind) for the stacked params; see the module docstring.
+# Leaf name -> the axis sharded by "tp", counted from the end (so a dense MLP [L, H, F] and a MoE layer's
+# stacked experts [L, E, H, F] shard the same F axis); see the module docstring.
 _SHARDED_AXIS = {
-    "embed": 0, "lm_head": 1,
-    "wq": 2, "wk": 2, "wv": 2, "bq": 1, "bk": 1, "bv": 1,
-    "wo": 1, "w_gate": 2, "w_up": 2, "w_down": 1,
+    "embed": -2, "lm_head": -1,
+    "wq": -1, "wk": -1, "wv": -1, "bq": -1, "bk": -1, "bv": -1,
+    "wo": -2, "w_gate": -1, "w_up": -1, "w_down": -2,
 }
 _KV_LEAVES = {"wk": 2, "wv": 2, "bk": 1, "bv": 1}   # leaves whose last axis is KV heads x head_dim
 
@@ -95,8 +98,9 @@ def _paths(params: Any) -> dict[str, Any]:
 def leaf_spec(name: str, shape: tuple[int, ...], tp: int) -> P:
   """The ``PartitionSpec`` of param leaf ``name`` with ``shape`` at TP degree ``tp`` (module docstring)."""
   axis = _SHARDED_AXIS.get(name)
-  if axis is None or tp == 1 or len(shape) <= axis or shape[axis] % tp:
+  if axis is None or tp == 1 or len(shape) < -axis or shape[axis] % tp:
     return P()
+  axis += len(shape)
   return P(*[TP_AXIS if i == axis else None for i in range(len(shape))])
 
 
