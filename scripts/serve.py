@@ -125,7 +125,7 @@ def main(argv):
   print(f"[serve] stopped{' on ' + signal.Signals(stop_signals[0]).name if stop_signals else ''}", flush=True)
   if multi:
     worker = application.state.server_state["worker"]
-    _report(worker.engine)
+    _report(worker.engine, channel)
     if worker.fatal is not None:
       return 1
   return 0
@@ -148,14 +148,16 @@ def _follow(engine, channel) -> int:
     print(f"error: process {pid}: {e}", file=sys.stderr, flush=True)
     return 1
   finally:
-    _report(worker.engine)
+    _report(worker.engine, channel)
   print(f"[serve] process {pid}: stopped", flush=True)
   return 0
 
 
-def _report(engine) -> None:
+def _report(engine, channel) -> None:
   import jax  # pylint: disable=import-outside-toplevel
-  print(f"[distributed] process {jax.process_index()}: {engine.replica.describe()}", file=sys.stderr, flush=True)
+  print(f"[distributed] process {jax.process_index()}: {engine.replica.describe()}; {engine.replica.exchanges} "
+        f"clock exchanges, {channel.exchanges} event exchanges ({channel.payloads} with events, "
+        f"{channel.payload_bytes} bytes)", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
