@@ -150,7 +150,7 @@ class RecordingEngine:
 
 def test_workers_apply_the_same_events_before_the_same_steps():
   from superinfer_jax.serving.worker import EngineWorker
-  coll, (ch0, ch1) = _channels(idle_interval_s=0.05)
+  _, (ch0, ch1) = _channels(idle_interval_s=0.05)
   t0 = [100.0]
 
   def clock():
@@ -223,7 +223,7 @@ def test_workers_apply_the_same_events_before_the_same_steps():
 
 def test_follower_fails_loudly_when_its_step_raises():
   from superinfer_jax.serving.worker import EngineWorker
-  coll, (ch0, ch1) = _channels(idle_interval_s=0.05)
+  _, (ch0, ch1) = _channels(idle_interval_s=0.05)
   eng1 = RecordingEngine()
 
   def boom():
