@@ -11,6 +11,10 @@ setting is a flag (see superinfer_jax/engine/config.py; --helpfull lists them). 
 requests accepted and not yet finished: beyond it the server answers 429. SIGINT / SIGTERM: the server
 stops accepting, lets in-flight requests finish for up to --shutdown_timeout seconds, cancels the rest and
 exits 0. docs/serving.md has the details.
+
+Multi-host: run it on every host with the same flags plus --coordinator_address/--num_processes/--process_id
+(docs/parallel.md). Process 0 serves HTTP; the others run the engine loop on process 0's broadcast events
+and exit when process 0 stops.
 """
 import logging
 import os
@@ -25,7 +29,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from superinfer_jax.engine.config import define_engine_flags, engine_config_from_flags  # noqa: E402
-from superinfer_jax.parallel.distributed import define_distributed_flags, initialize_from_flags  # noqa: E402
+from superinfer_jax.parallel.distributed import (define_distributed_flags, initialize_from_flags,  # noqa: E402
+                                                 is_primary)
 
 flags.DEFINE_string("model", "smollm2-135m", "HF dir, .gguf file, orbax dir, or a built-in name")
 flags.DEFINE_string("served_model_name", None, "model name clients use (default: --model's base name)")
@@ -38,6 +43,8 @@ flags.DEFINE_bool("precompile", False, "compile every step shape before serving"
 flags.DEFINE_string("log_level", "info", "uvicorn / server log level")
 flags.DEFINE_float("switch_interval", 0.0005, "Python's thread switch interval (s): the engine thread and the "
                    "event loop share the GIL; the default 5 ms would delay steps behind HTTP work")
+flags.DEFINE_float("idle_broadcast_interval", 1.0, "multi-host: seconds process 0 waits for a request while idle "
+                   "before it broadcasts an empty event batch (bounds the other processes' wait in one collective)")
 define_engine_flags()
 define_distributed_flags()
 FLAGS = flags.FLAGS
@@ -52,12 +59,10 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if FLAGS.max_queue < 1:
     raise app.UsageError("--max_queue must be >= 1")
+  if not FLAGS.idle_broadcast_interval > 0:
+    raise app.UsageError("--idle_broadcast_interval must be > 0")
   try:
-    if initialize_from_flags():
-      # Requests reach process 0 only; the other processes would need each step's new requests forwarded
-      # to replay the same schedule (docs/parallel.md). Tensor parallelism on one host works.
-      raise ValueError("serve.py runs in one process (tensor parallelism over that host's devices with "
-                       "--tensor_parallel_size); multi-host serving is not supported yet")
+    multi = initialize_from_flags()
     config = engine_config_from_flags()
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -80,10 +85,17 @@ def main(argv):
   if FLAGS.precompile:
     engine.precompile_rotation()
     engine.precompile_steps()
+  channel = None
+  if multi:
+    from superinfer_jax.parallel.events import EventChannel  # pylint: disable=import-outside-toplevel
+    channel = EventChannel(idle_interval_s=FLAGS.idle_broadcast_interval)
+    if not is_primary():
+      return _follow(engine, channel)
   name = FLAGS.served_model_name or _served_name(FLAGS.model)
   banner = (f"(context {engine.max_model_len} tokens, {engine.num_device_blocks} device blocks, policy "
             f"{config.scheduler.policy})")
-  application = build_app(engine, [name], max_queue=FLAGS.max_queue, engine_factory=make_engine)
+  application = build_app(engine, [name], max_queue=FLAGS.max_queue, channel=channel,
+                          engine_factory=None if multi else make_engine)
   del engine   # the engine thread owns it from here
 
   sock = socket.socket(socket.AF_INET6 if ":" in FLAGS.host else socket.AF_INET, socket.SOCK_STREAM)
@@ -111,7 +123,41 @@ def main(argv):
     signal.signal(sig, lambda s, _f: stop_signals.append(s))
   server.run(sockets=[sock])
   print(f"[serve] stopped{' on ' + signal.Signals(stop_signals[0]).name if stop_signals else ''}", flush=True)
+  if multi:
+    worker = application.state.server_state["worker"]
+    _report(worker.engine, channel)
+    if worker.fatal is not None:
+      return 1
   return 0
+
+
+def _follow(engine, channel) -> int:
+  """Process i > 0: the engine loop on process 0's events until process 0 stops. A signal here is noted
+  and waited out (process 0 decides when every process stops; if it died, the next collective fails)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from superinfer_jax.serving.worker import EngineWorker  # pylint: disable=import-outside-toplevel
+  pid = jax.process_index()
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda s, _f: print(f"[serve] process {pid}: {signal.Signals(s).name} noted; stopping "
+                                           "when process 0 does", flush=True))
+  print(f"[serve] process {pid}: running the engine on process 0's requests", flush=True)
+  worker = EngineWorker(engine, None, channel=channel)
+  try:
+    worker.follow()
+  except RuntimeError as e:
+    print(f"error: process {pid}: {e}", file=sys.stderr, flush=True)
+    return 1
+  finally:
+    _report(worker.engine, channel)
+  print(f"[serve] process {pid}: stopped", flush=True)
+  return 0
+
+
+def _report(engine, channel) -> None:
+  import jax  # pylint: disable=import-outside-toplevel
+  print(f"[distributed] process {jax.process_index()}: {engine.replica.describe()}; {engine.replica.exchanges} "
+        f"clock exchanges, {channel.exchanges} event exchanges ({channel.payloads} with events, "
+        f"{channel.payload_bytes} bytes)", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

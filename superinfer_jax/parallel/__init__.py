@@ -11,6 +11,8 @@ Modules (docs/parallel.md is the user's guide):
 * ``tensor_parallel``: ``TensorParallel``, the one object the engine and ``model.api`` talk to.
 * ``distributed``: ``jax.distributed.initialize`` from flags / env, the shared script flags, and the
   replicated-scheduling guard (shared clock + plan digest) that keeps every process's plan identical.
+* ``events``: ``EventChannel``, process 0's broadcast of each engine iteration's new requests and aborts
+  to every process (multi-host serving; ``serving/worker.py`` applies them).
 
 Nothing here changes the TP=1 path: with ``tensor_parallel_size=1`` the engine never builds a mesh.
 The package imports nothing itself: ``distributed`` (flags, ``initialize``) imports no JAX at module level,

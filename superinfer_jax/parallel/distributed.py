@@ -14,6 +14,10 @@ process's running digest of the plans made so far; a mismatch raises ``PlanDiver
 (before a diverged plan can drive a collective into a deadlock). No plan is broadcast: it is recomputed
 identically everywhere and verified.
 
+Inputs that reach one process only (a server's HTTP requests) are broadcast before the step that uses them:
+``events.EventChannel`` sends each engine iteration's new requests and aborts from process 0 to all
+(``broadcast_from_primary``), and every process applies them in the same order.
+
 Only process 0 writes results, prints, and serves HTTP (``is_primary``).
 """
 from __future__ import annotations
@@ -127,6 +131,13 @@ class ReplicatedSchedule:
   def digest(self) -> str:
     return self._hash.hexdigest()
 
+  def local_now(self) -> float:
+    """This process's own clock reading, no exchange (process 0's is what ``now()`` gives every process)."""
+    return self.inner.now()
+
+  def describe(self) -> str:
+    return f"{self.num_plans} plans, digest {self.digest}"
+
   def record(self, plan) -> None:
     self._hash.update(plan_fingerprint(plan))
     self.num_plans += 1
@@ -166,6 +177,13 @@ class _RecordingScheduler:
 def _process_allgather(words: np.ndarray) -> np.ndarray:
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   return multihost_utils.process_allgather(words)
+
+
+def broadcast_from_primary(x: np.ndarray) -> np.ndarray:
+  """Process 0's ``x`` in every process (``x`` of the same shape and dtype everywhere; the others' values
+  are ignored): ``multihost_utils.broadcast_one_to_all``, one collective over every process."""
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(x)))
 
 
 def replicated_schedule(clock) -> ReplicatedSchedule | None:

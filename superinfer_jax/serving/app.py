@@ -55,8 +55,9 @@ class _Ticket:
 
 
 def build_app(engine: Any, served_model_names: Sequence[str], *, max_queue: int = 256,
-              engine_factory=None, disconnect_poll_s: float = 0.1) -> FastAPI:
-  """The app over ``engine`` (an ``LLMEngine``); the engine thread starts with the app's lifespan."""
+              engine_factory=None, disconnect_poll_s: float = 0.1, channel=None) -> FastAPI:
+  """The app over ``engine`` (an ``LLMEngine``); the engine thread starts with the app's lifespan.
+  ``channel``: process 0's ``parallel.events.EventChannel`` in a multi-process run (``worker.py``)."""
   names = list(served_model_names)
   tokenizer = engine.tokenizer
   max_model_len = engine.max_model_len
@@ -70,7 +71,7 @@ def build_app(engine: Any, served_model_names: Sequence[str], *, max_queue: int 
   async def lifespan(app):
     eng = state.pop("engine")
     worker = EngineWorker(eng, asyncio.get_running_loop(), max_queue=max_queue, metrics=metrics,
-                          engine_factory=engine_factory)
+                          engine_factory=engine_factory, channel=channel)
     metrics._admitted = lambda: worker.num_admitted  # pylint: disable=protected-access
     metrics.after_step(eng)
     del eng

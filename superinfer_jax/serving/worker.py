@@ -10,12 +10,20 @@ HTTP handlers (asyncio) talk to it only through ``EngineWorker``'s methods, whic
 * ``call(fn)`` runs ``fn(engine)`` in the engine thread between steps and returns a future (metrics
   snapshots, invariant checks).
 
-The loop: drain commands (blocking briefly when the engine is idle), then ``engine.step()``. An exception
-inside a step fails every live request with a 500 error (the step's requests cannot be told apart from
-the rest once the engine raised), aborts them, and the loop goes on; if the engine cannot be drained
-afterwards (the real engine cannot today: its pipelined plans stay in flight in the scheduler) it is
-rebuilt with ``engine_factory`` (when given). ``stop()`` aborts whatever is left
-(each gets a 503 error event) and joins the thread.
+The loop, once per iteration: drain the commands (blocking briefly when the engine is idle) into an
+``EventBatch`` of new requests and aborts (``parallel/events.py``), apply it to the engine, run the
+queued ``call``s, then ``engine.step()``. An exception inside a step fails every live request with a 500
+error (the step's requests cannot be told apart from the rest once the engine raised), aborts them, and
+the loop goes on; if the engine cannot be drained afterwards (the real engine cannot today: its pipelined
+plans stay in flight in the scheduler) it is rebuilt with ``engine_factory`` (when given). ``stop()``
+aborts whatever is left (each gets a 503 error event) and joins the thread.
+
+Multi-process (``channel``: an ``EventChannel``): process 0's worker broadcasts each iteration's batch
+before applying it, and every other process runs ``follow()``, the same loop fed by the broadcast instead
+of the command queue, so all engines get the same events before the same step (docs/parallel.md). The
+adds carry process 0's clock reading as their arrival time; a shutdown is a batch that aborts every live
+request and stops every loop. A failed step is fatal there (the engines cannot be drained or rebuilt in
+lockstep): the engine thread ends and ``/health`` answers 503.
 
 Admission is bounded by ``max_queue``: at most that many requests accepted and not yet finished (waiting,
 running, rotary or still in the command queue); beyond it ``submit`` raises a 429 ``APIError``.
@@ -31,6 +39,7 @@ import threading
 import traceback
 from typing import Any, Callable, Optional
 
+from superinfer_jax.parallel.events import AbortEvent, AddEvent, EventBatch
 from superinfer_jax.serving.protocol import APIError
 
 log = logging.getLogger("superinfer_jax.serving")
@@ -38,11 +47,13 @@ log = logging.getLogger("superinfer_jax.serving")
 
 class EngineWorker:
 
-  def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, *, max_queue: int = 256,
+  def __init__(self, engine: Any, loop: Optional[asyncio.AbstractEventLoop], *, max_queue: int = 256,
                metrics: Any = None, engine_factory: Optional[Callable[[], Any]] = None,
-               idle_wait_s: float = 0.05):
+               idle_wait_s: float = 0.05, channel: Any = None):
     if max_queue < 1:
       raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+    if channel is not None and engine_factory is not None:
+      raise ValueError("a multi-process worker cannot rebuild its engine: give no engine_factory")
     self.engine = engine
     self.loop = loop
     self.max_queue = max_queue
@@ -56,6 +67,8 @@ class EngineWorker:
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
     self._outbox: list = []
+    self._calls: list = []                         # "call" commands of this iteration (engine thread only)
+    self.channel = channel
     self.step_errors = 0
     self.fatal: Optional[str] = None
 
@@ -107,6 +120,15 @@ class EngineWorker:
       self._cmds.put(("call", fn, fut))
     return asyncio.wrap_future(fut, loop=self.loop)
 
+  def follow(self) -> None:
+    """A non-zero process of a multi-process run: runs the engine loop in the calling thread, fed by process
+    0's broadcasts, until process 0 stops. Raises RuntimeError if the loop died."""
+    if self.channel is None or self.channel.is_source:
+      raise ValueError("follow() is for the processes other than 0 of a multi-process run")
+    self._run()
+    if self.fatal is not None:
+      raise RuntimeError(f"the engine loop died: {self.fatal}")
+
   def stop(self, timeout: float = 30.0) -> None:
     """Aborts what is left and joins the engine thread (idempotent)."""
     self._stop.set()
@@ -128,56 +150,108 @@ class EngineWorker:
     except RuntimeError:   # the loop is closed (shutdown): nobody is listening any more
       pass
 
-  def _handle(self, cmd: tuple) -> None:
-    kind = cmd[0]
-    if kind == "add":
-      _, rid, prompt, params, ttft_slo, tbt_slo, q = cmd
-      if self._stop.is_set():
-        self._deliver(q, ("error", APIError(503, "the server is shutting down", type="server_error",
-                                            code="unavailable")))
-        return
+  def _drain(self, block: bool) -> list:
+    timeout = self.channel.idle_interval_s if self.channel is not None else self.idle_wait_s
+    try:
+      cmds = [self._cmds.get(timeout=timeout) if block else self._cmds.get_nowait()]
+    except queue.Empty:
+      return []
+    while True:
       try:
-        self.engine.add_request(prompt, params, request_id=rid, ttft_slo=ttft_slo, tbt_slo=tbt_slo)
-      except ValueError as e:   # RequestError
-        self._deliver(q, ("error", APIError(400, str(e), code="invalid_value")))
-        return
-      except Exception as e:  # pylint: disable=broad-except
-        log.exception("add_request failed")
-        self._deliver(q, ("error", APIError(500, f"the engine failed to queue the request: {e}",
-                                            type="server_error", code="engine_error")))
-        return
-      self._sinks[rid] = q
-      if self.metrics is not None:
-        self.metrics.on_arrival(rid, self.engine.get_request(rid).arrival_time)
-    elif kind == "abort":
-      rid = cmd[1]
-      if rid in self._sinks:
-        self._sinks.pop(rid)
+        cmds.append(self._cmds.get_nowait())
+      except queue.Empty:
+        return cmds
+
+  def _collect(self, block: bool) -> tuple[EventBatch, list]:
+    """Process 0 (or a single process): the commands queued since the last iteration as an ``EventBatch``,
+    with the event queue of each add (None for aborts). Queues the ``call``s for ``_run_calls``; answers
+    adds with 503 once stopping. When stopping, the batch also aborts every live request and stops."""
+    cmds = self._drain(block)
+    stopping = self._stop.is_set()                  # after the wait: stop() wakes it
+    events, queues = [], []
+    live = dict.fromkeys(self._sinks)               # insertion order: the shutdown aborts' order
+    for cmd in cmds:
+      kind = cmd[0]
+      if kind == "add":
+        _, rid, prompt, params, ttft_slo, tbt_slo, q = cmd
+        if stopping:
+          self._deliver(q, ("error", APIError(503, "the server is shutting down", type="server_error",
+                                              code="unavailable")))
+          continue
+        events.append(AddEvent(rid, prompt, params, ttft_slo, tbt_slo))
+        queues.append(q)
+        live[rid] = None
+      elif kind == "abort":
+        if cmd[1] in live:   # else it already finished or was never accepted
+          events.append(AbortEvent(cmd[1]))
+          queues.append(None)
+          del live[cmd[1]]
+      elif kind == "call":
+        self._calls.append(cmd)
+    if stopping:
+      for rid in live:
+        events.append(AbortEvent(rid, shutdown=True))
+        queues.append(None)
+    # Multi-process: the adds' arrival time, process 0's reading of the shared clock (the others' add_request
+    # must not read the clock themselves: that would be a collective process 0 does not join).
+    now = self.engine.replica.local_now() if self.channel is not None and events else None
+    return EventBatch(time=now, events=events, stop=stopping), queues
+
+  def _next_batch(self) -> tuple[EventBatch, list]:
+    """This iteration's events: collected here (process 0, single process), broadcast to the others."""
+    if self.channel is not None and not self.channel.is_source:
+      batch = self.channel.exchange(None)
+      return batch, [None] * len(batch.events)
+    batch, queues = self._collect(block=not self.engine.has_unfinished())
+    if self.channel is not None:
+      batch = self.channel.exchange(batch)   # the decoded copy: exactly what the other processes apply
+    return batch, queues
+
+  def _apply(self, batch: EventBatch, queues: list) -> None:
+    """Applies the events in order. Engine calls depend on the batch only (every process makes the same
+    ones); sinks, deliveries and metrics exist on process 0 only."""
+    at = {} if batch.time is None else {"arrival_time": batch.time}
+    for ev, q in zip(batch.events, queues):
+      if isinstance(ev, AddEvent):
+        rid = ev.request_id
+        try:
+          self.engine.add_request(ev.prompt, ev.params, request_id=rid, ttft_slo=ev.ttft_slo,
+                                  tbt_slo=ev.tbt_slo, **at)
+        except ValueError as e:   # RequestError
+          if q is not None:
+            self._deliver(q, ("error", APIError(400, str(e), code="invalid_value")))
+          continue
+        except Exception as e:  # pylint: disable=broad-except
+          log.exception("add_request failed")
+          if q is not None:
+            self._deliver(q, ("error", APIError(500, f"the engine failed to queue the request: {e}",
+                                                type="server_error", code="engine_error")))
+          continue
+        if q is not None:
+          self._sinks[rid] = q
+          if self.metrics is not None:
+            self.metrics.on_arrival(rid, self.engine.get_request(rid).arrival_time)
+      else:
+        rid = ev.request_id
+        sink = self._sinks.pop(rid, None)
         try:
           self.engine.abort(rid)
         except Exception:  # pylint: disable=broad-except
           log.exception("abort failed")
-        if self.metrics is not None:
-          self.metrics.on_finish(rid, "abort")
-    elif kind == "call":
-      _, fn, fut = cmd
+        if sink is not None and ev.shutdown:
+          self._deliver(sink, ("error", APIError(503, "the server shut down before the request finished",
+                                                 type="server_error", code="unavailable")))
+        if sink is not None and self.metrics is not None:
+          self.metrics.on_finish(rid, "error" if ev.shutdown else "abort")
+
+  def _run_calls(self) -> None:
+    calls, self._calls = self._calls, []
+    for _, fn, fut in calls:
       if fut.set_running_or_notify_cancel():
         try:
           fut.set_result(fn(self.engine))
         except BaseException as e:  # pylint: disable=broad-except
           fut.set_exception(e)
-
-  def _drain_commands(self, block: bool) -> None:
-    try:
-      cmd = self._cmds.get(timeout=self.idle_wait_s) if block else self._cmds.get_nowait()
-    except queue.Empty:
-      return
-    while True:
-      self._handle(cmd)
-      try:
-        cmd = self._cmds.get_nowait()
-      except queue.Empty:
-        return
 
   def _fail_all(self, err: APIError) -> None:
     for rid, q in list(self._sinks.items()):
@@ -237,38 +311,38 @@ class EngineWorker:
 
   def _run(self) -> None:
     try:
-      while not self._stop.is_set():
-        busy = self.engine.has_unfinished()
-        self._drain_commands(block=not busy)
-        if self._stop.is_set():
+      while True:
+        batch, queues = self._next_batch()
+        self._apply(batch, queues)
+        self._run_calls()
+        if batch.stop:
           break
-        if not self.engine.has_unfinished():
-          if self.metrics is not None:
-            self.metrics.after_step(self.engine)
-          self._flush()
-          continue
-        try:
-          self._step()
-        except Exception as e:  # pylint: disable=broad-except
-          self.step_errors += 1
-          if self.metrics is not None:
-            self.metrics.step_errors.inc()
-          log.error("engine step failed: %s", traceback.format_exc())
-          self._fail_all(APIError(500, f"the engine step failed: {type(e).__name__}: {e}",
-                                  type="server_error", code="engine_error"))
-          self._recover()
+        if self.engine.has_unfinished():
+          try:
+            self._step()
+          except Exception as e:  # pylint: disable=broad-except
+            if self.channel is not None:
+              raise   # the other processes cannot recover in lockstep: fatal (module docstring)
+            self.step_errors += 1
+            if self.metrics is not None:
+              self.metrics.step_errors.inc()
+            log.error("engine step failed: %s", traceback.format_exc())
+            self._fail_all(APIError(500, f"the engine step failed: {type(e).__name__}: {e}",
+                                    type="server_error", code="engine_error"))
+            self._recover()
         if self.metrics is not None:
           self.metrics.after_step(self.engine)
         self._flush()
-      # Shutdown: cancel what is left, then answer the commands still queued.
-      self._fail_all(APIError(503, "the server shut down before the request finished", type="server_error",
-                              code="unavailable"))
+      # Shutdown: the stop batch aborted what was live; drain the engine (every process alike), then answer
+      # the commands still queued (adds get 503; no live request is left to abort).
       try:
         while self.engine.has_unfinished():
-          self.engine.step()
+          self._step()
       except Exception:  # pylint: disable=broad-except
         log.exception("draining at shutdown failed")
-      self._drain_commands(block=False)
+      if self.channel is None or self.channel.is_source:
+        self._collect(block=False)
+        self._run_calls()
       self._flush()
     except BaseException as e:  # pylint: disable=broad-except
       self.fatal = f"{type(e).__name__}: {e}"
@@ -277,7 +351,8 @@ class EngineWorker:
       self._fail_all(APIError(500, f"the engine thread died: {self.fatal}", type="server_error",
                               code="engine_error"))
       try:
-        self._drain_commands(block=False)
+        self._collect(block=False)
+        self._run_calls()
       except Exception:  # pylint: disable=broad-except
         pass
       self._flush()
