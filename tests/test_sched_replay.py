@@ -1,0 +1,60 @@
+"""The plan-hash check: every policy over every replay scenario (``sched/replay.py``) makes exactly the plans
+it made when ``tests/fixtures/sched_plan_hashes.json`` was recorded (block ids and tie-breaking included).
+
+A change meant to be behaviour-preserving (an optimisation) must leave the hashes alone. A deliberate change
+of what a policy decides re-records them with
+``python scripts/bench_scheduler.py --plan_hashes > tests/fixtures/sched_plan_hashes.json`` and says so.
+"""
+import dataclasses
+import json
+import os
+
+import pytest
+
+from superinfer_jax.sched import POLICIES
+from superinfer_jax.sched import replay
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "sched_plan_hashes.json")
+STEPS = 400  # scripts/bench_scheduler.py --hash_steps default, with which the fixture was recorded
+
+
+def _pinned():
+  with open(FIXTURE) as f:
+    return json.load(f)
+
+
+def test_fixture_covers_every_policy_and_scenario():
+  pinned = _pinned()
+  assert sorted(pinned) == sorted(POLICIES)
+  for p in pinned:
+    assert sorted(pinned[p]) == sorted(replay.SCENARIOS), p
+
+
+@pytest.mark.parametrize("scenario", sorted(replay.SCENARIOS))
+def test_plans_unchanged(scenario):
+  pinned = _pinned()
+  got = replay.plan_hashes(sorted(POLICIES), [scenario], STEPS)
+  assert {p: got[p][scenario] for p in got} == {p: pinned[p][scenario] for p in pinned}
+
+
+def test_hash_sees_a_changed_decision():
+  """The fingerprint is sensitive: a pool one block smaller, or a smaller B_xfer, changes the hash; and
+  one field of one plan changes its fingerprint."""
+  sc = replay.SCENARIOS["bench"]
+  base = replay.run_scenario("rotasched", sc, 60)
+  assert replay.run_scenario("rotasched", sc, 60) == base  # deterministic
+  smaller = dataclasses.replace(sc, device_blocks=sc.device_blocks - 1)
+  assert replay.run_scenario("rotasched", smaller, 60) != base
+  tighter = dataclasses.replace(sc, config={**sc.config, "proactive_swap_budget": 100})
+  assert replay.run_scenario("rotasched", tighter, 60) != base
+  rp = replay.Replay("rotasched", sc)
+  plan = rp.schedule()
+  before = replay.plan_fingerprint(plan)
+  plan.scheduled[-1].block_table[-1] += 1
+  assert replay.plan_fingerprint(plan) != before
+
+
+def test_replay_keeps_invariants():
+  for name, sc in replay.SCENARIOS.items():
+    if name != "bench_1k":
+      replay.run_scenario("rotasched", sc, 120, check_every=10)
