@@ -294,21 +294,11 @@ class RotationPolicy(Policy):
     recompute), then admit R in order, skipping those that do not fit."""
     cfg = sched.config
     bx = cfg.proactive_swap_budget
-    for v in victims:
-      if not sched.rotate_out(v) and cfg.proactive_recompute:
-        sched.preempt(v)  # host pool full: fall back to recompute (opt-in; see SchedulerConfig)
+    # pick_victims checked rotatable(v) in this step; a victim the host pool cannot take stays running, or
+    # falls back to recompute (opt-in; see SchedulerConfig).
+    sched.rotate_out_many(victims, recompute_if_full=cfg.proactive_recompute)
     sched.schedule_running(self.reactive_mode, swap_cap=bx)
-    swap_in = sched.swap_in
-    admit_waiting = sched.admit_waiting
-    running = sched.running
-    max_seqs = cfg.max_num_seqs
-    for r in R:
-      if sched.budget_left() <= 0 or len(running) >= max_seqs:  # seats_left() <= 0, inline
-        break
-      if r.state is ROTARY:  # sched.admit(r, cap=bx)
-        swap_in(r, bx)
-      else:
-        admit_waiting(r)
+    sched.admit_in_order(R, cap=bx)
 
 
 class WaitingFirst(RotationPolicy):

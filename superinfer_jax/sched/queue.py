@@ -29,6 +29,43 @@ class SortedQueue:
       bisect.insort(items, entry)
     r._qentry = entry
 
+  def push_many(self, rs, keys) -> None:
+    """``push(r, key)`` for each pair of ``rs`` and ``keys``, in order (same entries, same order)."""
+    items = self._items
+    seq = self._seq
+    for r, key in zip(rs, keys):
+      seq += 1
+      entry = (key, seq, r)
+      if not items or items[-1][0] <= key:
+        items.append(entry)
+      else:
+        bisect.insort(items, entry)
+      r._qentry = entry
+    self._seq = seq
+
+  def remove_many(self, rs) -> None:
+    """``remove(r)`` for each of ``rs`` (distinct requests in this queue). One slice deletion when they are
+    the queue's first ``len(rs)`` entries (admission takes from the head), else one filtering pass over the
+    queue up to the last of them."""
+    items = self._items
+    entries = [r._qentry for r in rs]
+    if not entries:
+      return
+    last = max(entries)  # entries compare by (key, seq): seq is unique, so the request is never compared
+    j = bisect.bisect_left(items, last)
+    if j >= len(items) or items[j] is not last:
+      raise KeyError(f"{last[2]!r} not in this queue")
+    for r in rs:
+      r._qentry = None
+    k = len(entries)
+    if j == k - 1:  # all k entries sit at indices <= k - 1: they are the first k
+      del items[:k]
+      return
+    kept = [e for e in items[:j + 1] if e[2]._qentry is e]
+    if len(kept) != j + 1 - k:
+      raise KeyError("remove_many: some requests are not in this queue")
+    items[:j + 1] = kept
+
   def remove(self, r: Request) -> None:
     entry = r._qentry
     items = self._items
