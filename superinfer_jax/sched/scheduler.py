@@ -99,6 +99,10 @@ class Scheduler:
     self._budget = 0
     self._out_moved = 0
     self._in_moved = 0
+    # running_needs() kept incrementally: (blocks, tokens) the running requests need next step, or None
+    # (unknown: recompute); _running_cut: this step's running loop stopped at the token budget.
+    self._need: tuple[int, int] | None = None
+    self._running_cut = False
 
   # ------------------------------------------------------------------ queries
   @property
@@ -197,6 +201,13 @@ class Scheduler:
   def _finish(self, r: Request, reason: str, now: float, aborted: bool = False) -> None:
     if r.state is RUNNING:
       del self.running[r.req_id]
+      need = self._need
+      if need is not None:
+        if self._plan is None:  # between steps: its need was counted by _finalize
+          blk, tok = self._need_of(r)
+          self._need = (need[0] - blk, need[1] - tok)
+        else:
+          self._need = None
     elif r._qentry is not None:
       self._dequeue(r)
     self.bm.free(r.req_id)
@@ -221,6 +232,7 @@ class Scheduler:
     self._budget = self.config.max_num_batched_tokens
     self._out_moved = 0
     self._in_moved = 0
+    self._running_cut = False
     self.policy.schedule_step(self, plan, now)
     self._finalize(plan)
     self._plan = None
@@ -239,16 +251,43 @@ class Scheduler:
     reqs = self.requests
     mark = bm.mark_computed
     total = 0
-    for seq in plan.scheduled:
-      rid = seq.req_id
-      r = reqs[rid]
-      n = seq.num_new_tokens
-      new = seq.num_computed_tokens + n
-      mark(rid, new)
-      r.num_computed_tokens = new
-      if seq.sample:
-        r.inflight_samples += 1
-      total += n
+    if not self.policy.uses_running_needs:
+      for seq in plan.scheduled:
+        rid = seq.req_id
+        r = reqs[rid]
+        n = seq.num_new_tokens
+        new = seq.num_computed_tokens + n
+        mark(rid, new)
+        r.num_computed_tokens = new
+        if seq.sample:
+          r.inflight_samples += 1
+        total += n
+    else:
+      # The same loop, also summing what each request will need next step (its ``_need``): running_needs()'s
+      # totals, kept incrementally. A request's need changes only here (on_step_done moves a token from
+      # in flight to generated, which leaves it alone); a running request not scheduled in this step needs
+      # nothing unless the token budget cut the running loop short, and then running_needs() recomputes.
+      bs = bm.block_size
+      need_tok = need_blk = 0
+      for seq in plan.scheduled:
+        rid = seq.req_id
+        r = reqs[rid]
+        n = seq.num_new_tokens
+        new = seq.num_computed_tokens + n
+        mark(rid, new)
+        r.num_computed_tokens = new
+        if seq.sample:
+          r.inflight_samples += 1
+          if r.num_generated + r.inflight_samples < r.max_tokens:  # else will_finish: needs nothing
+            need_tok += 1  # the sampled token's KV
+            if new % bs == 0:
+              need_blk += 1
+        else:  # a prefill chunk short of the known tokens
+          rem = r.prompt_len + r.num_generated + r.inflight_samples - new
+          need_tok += rem
+          need_blk += (new + rem + bs - 1) // bs - (new + bs - 1) // bs
+        total += n
+      self._need = (need_blk, need_tok) if not self._running_cut else None
     plan.num_batched_tokens = total
     t = self.totals
     t["steps"] += 1
@@ -287,7 +326,31 @@ class Scheduler:
     return self.config.max_num_seqs - len(self.running)
 
   def running_needs(self) -> tuple[int, int]:
-    """(device blocks, tokens) running requests need this step, in admission order under the token budget."""
+    """(device blocks, tokens) running requests need this step, in admission order under the token budget.
+
+    At the start of a step (nothing planned yet) this is the total ``_finalize`` kept for the running set
+    when it fits the budget (policies with ``uses_running_needs``); otherwise one pass over the running
+    requests (``_running_needs_scan``, the definition).
+    """
+    need = self._need
+    plan = self._plan
+    if (need is not None and need[1] <= self._budget and plan is not None and not plan.scheduled
+        and not plan.rotated_out and not plan.preempted):
+      return need
+    return self._running_needs_scan()
+
+  def _need_of(self, r: Request) -> tuple[int, int]:
+    """(blocks, tokens) running request ``r`` needs next step, without a budget (``running_needs``'s term)."""
+    gen = r.num_generated + r.inflight_samples
+    c = r.num_computed_tokens
+    rem = r.prompt_len + gen - c
+    if rem <= 0 or gen >= r.max_tokens:
+      return 0, 0
+    bs = self.bm.block_size
+    return (c + rem + bs - 1) // bs - (c + bs - 1) // bs, rem
+
+  def _running_needs_scan(self) -> tuple[int, int]:
+    """``running_needs`` by one pass over the running requests in admission order."""
     budget = self._budget
     blocks = 0
     bs = self.bm.block_size
@@ -329,6 +392,7 @@ class Scheduler:
       if r.state is not RUNNING or r._touched_step == step:
         continue  # evicted in this loop, or admitted/rotated in this step (already scheduled)
       if budget <= 0:
+        self._running_cut = True  # requests after this one keep their need unscheduled
         break
       gen = r.num_generated + r.inflight_samples
       rem = r.prompt_len + gen - r.num_computed_tokens
@@ -670,6 +734,9 @@ class Scheduler:
     assert seen == set(self.requests), "queues and the live set differ"
     assert demand == self._demand, (demand, self._demand)
     assert len(self.running) <= self.config.max_num_seqs
+    if self._need is not None:
+      needs = [self._need_of(r) for r in self.running.values()]
+      assert self._need == (sum(b for b, _ in needs), sum(t for _, t in needs)), (self._need, needs)
     assert bm.num_requests == len(self.running) + len(self.rotary), "block manager holds stray requests"
     for r in self.requests.values():
       assert 0 <= r.inflight_samples <= len(self._inflight) and r.num_generated < r.max_tokens, r
