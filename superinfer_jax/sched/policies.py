@@ -90,6 +90,10 @@ class Policy:
   def rotary_key(self, r: Request, sched) -> tuple:
     return (r.state_time,)
 
+  def rotary_keys(self, rs, sched) -> list:
+    """``[rotary_key(r, sched) for r in rs]`` (policies override it where one pass is cheaper)."""
+    return [self.rotary_key(r, sched) for r in rs]
+
   def candidates(self, sched, now: float) -> Iterator[Request]:
     """Waiting + rotary requests, highest priority first."""
     return sched.waiting.iter_requests()
@@ -324,9 +328,15 @@ class RotaSched(RotationPolicy):
     return (r.arrival_time + cfg.beta_f * sf,)
 
   def rotary_key(self, r, sched):
+    return self.rotary_keys((r,), sched)[0]
+
+  def rotary_keys(self, rs, sched):
+    # (rotary_ref_time(r) + beta_b * S_B,) per request, inline: victims are keyed in one pass per step.
     cfg = sched.config
-    sb = r.tbt_slo if r.tbt_slo is not None else cfg.tbt_slo
-    return (rotary_ref_time(r) + cfg.beta_b * sb,)
+    beta_b = cfg.beta_b
+    tbt_slo = cfg.tbt_slo
+    return [((r.last_token_time if r.last_token_time is not None else r.state_time)
+             + beta_b * (r.tbt_slo if r.tbt_slo is not None else tbt_slo),) for r in rs]
 
   def candidates(self, sched, now):
     return _lvf_merge(sched.waiting.entries(), sched.rotary.entries(), now, sched.config.alpha)

@@ -51,6 +51,8 @@ class SortedQueue:
     entries = [r._qentry for r in rs]
     if not entries:
       return
+    if None in entries:
+      raise KeyError(f"{rs[entries.index(None)]!r} is not queued")
     last = max(entries)  # entries compare by (key, seq): seq is unique, so the request is never compared
     j = bisect.bisect_left(items, last)
     if j >= len(items) or items[j] is not last:

@@ -99,14 +99,16 @@ class Replay:
   request: the same stream as ``bench_scheduler.py`` always used); sampled ids and stops from another.
   """
 
-  def __init__(self, policy: str, scenario: Scenario, seed: int = 0):
+  def __init__(self, policy: str, scenario: Scenario, seed: int = 0, policy_obj=None):
+    """``policy``: a policy name (``SchedulerConfig.policy``); ``policy_obj``: a ``Policy`` instance to run
+    instead (tests compare a policy with a reference implementation of it)."""
     sc = self.scenario = scenario
     self._rng = random.Random(seed)
     self._tok_rng = random.Random(seed + 1)
     self.clock = VirtualClock()
     self.bm = BlockManager(sc.device_blocks, sc.host_blocks, sc.block_size)
     self.config = SchedulerConfig(**{**sc.config, "policy": policy})
-    self.sched = Scheduler(self.config, self.bm, self.clock)
+    self.sched = Scheduler(self.config, self.bm, self.clock, policy_obj)
     self.digest = hashlib.sha256()
     self._next_id = 0
     self._inflight: StepPlan | None = None

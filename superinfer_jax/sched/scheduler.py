@@ -483,8 +483,6 @@ class Scheduler:
     now = self._now
     running = self.running
     bs = self.bm.block_size
-    rotary_key = self.policy.rotary_key
-    keys = []
     residency = demand = 0
     for r in rs:
       del running[r.req_id]
@@ -493,11 +491,10 @@ class Scheduler:
       r.state_time = now
       r._touched_step = r._out_step = step
       r.num_rotations += 1
-      keys.append(rotary_key(r, self))
       d = (r.prompt_len + r.num_generated + r.inflight_samples + bs - 1) // bs  # _enqueue_rotary(r), inline
       r._demand = d
       demand += d
-    self.rotary.push_many(rs, keys)
+    self.rotary.push_many(rs, self.policy.rotary_keys(rs, self))  # keyed after the state change
     plan.rotated_out += [r.req_id for r in rs]
     plan.residency_steps += residency
     self._out_moved += moved
