@@ -40,6 +40,15 @@ Step structure (each policy composes these; see ``policies.py``)
      blocks, ``max_num_seqs`` and the swap-in budget;
   4. eager write-back pairs are taken last, then the plan's tokens are marked computed.
 
+Building blocks for policies (``policies.py``): ``running_needs()``, ``schedule_running()``, ``rotate_out(r)`` /
+``rotate_out_many(victims)``, ``swap_in(r)``, ``admit_waiting(r)``, ``admit_in_order(rs)``, ``preempt(r)``,
+``evict(r)``, ``rotatable(r)``. The ``*_many`` / ``admit_in_order`` forms decide exactly as one call per
+request would and move a step's rotations through batched block-manager calls (the hot path under
+rotation: ``scripts/bench_scheduler.py``). ``running_needs()`` is kept incrementally by ``_finalize`` for
+policies that set ``uses_running_needs`` (checked by ``check_invariants``). ``tests/test_sched_replay.py``
+pins every policy's plans (``sched/replay.py``); ``tests/test_sched_equivalence.py`` checks the fast paths
+against plain reference implementations.
+
 Invariants (``check_invariants``): every live request is in exactly one of running / waiting (WAITING or
 PREEMPTED) / rotary matching its state; RUNNING <=> resident in the block manager with
 ``num_tokens == num_computed_tokens``; ROTARY <=> swapped in the block manager; WAITING/PREEMPTED <=> no
@@ -251,42 +260,32 @@ class Scheduler:
     reqs = self.requests
     mark = bm.mark_computed
     total = 0
-    if not self.policy.uses_running_needs:
-      for seq in plan.scheduled:
-        rid = seq.req_id
-        r = reqs[rid]
-        n = seq.num_new_tokens
-        new = seq.num_computed_tokens + n
-        mark(rid, new)
-        r.num_computed_tokens = new
-        if seq.sample:
-          r.inflight_samples += 1
-        total += n
-    else:
-      # The same loop, also summing what each request will need next step (its ``_need``): running_needs()'s
-      # totals, kept incrementally. A request's need changes only here (on_step_done moves a token from
-      # in flight to generated, which leaves it alone); a running request not scheduled in this step needs
-      # nothing unless the token budget cut the running loop short, and then running_needs() recomputes.
-      bs = bm.block_size
-      need_tok = need_blk = 0
-      for seq in plan.scheduled:
-        rid = seq.req_id
-        r = reqs[rid]
-        n = seq.num_new_tokens
-        new = seq.num_computed_tokens + n
-        mark(rid, new)
-        r.num_computed_tokens = new
-        if seq.sample:
-          r.inflight_samples += 1
-          if r.num_generated + r.inflight_samples < r.max_tokens:  # else will_finish: needs nothing
-            need_tok += 1  # the sampled token's KV
-            if new % bs == 0:
-              need_blk += 1
-        else:  # a prefill chunk short of the known tokens
-          rem = r.prompt_len + r.num_generated + r.inflight_samples - new
-          need_tok += rem
-          need_blk += (new + rem + bs - 1) // bs - (new + bs - 1) // bs
-        total += n
+    # Rotation policies also sum what each scheduled request will need next step: running_needs()'s totals,
+    # kept incrementally. A request's need changes only here (on_step_done moves a token from in flight to
+    # generated, which leaves it alone); a running request not scheduled in this step needs nothing unless
+    # the token budget cut the running loop short, and then running_needs() scans.
+    track = self.policy.uses_running_needs
+    bs = bm.block_size
+    need_tok = need_blk = 0
+    for seq in plan.scheduled:
+      rid = seq.req_id
+      r = reqs[rid]
+      n = seq.num_new_tokens
+      new = seq.num_computed_tokens + n
+      mark(rid, new)
+      r.num_computed_tokens = new
+      if seq.sample:
+        r.inflight_samples += 1
+        if track and r.num_generated + r.inflight_samples < r.max_tokens:  # else will_finish: no need
+          need_tok += 1  # the sampled token's KV
+          if new % bs == 0:
+            need_blk += 1
+      elif track:  # a prefill chunk short of the known tokens
+        rem = r.prompt_len + r.num_generated + r.inflight_samples - new
+        need_tok += rem
+        need_blk += (new + rem + bs - 1) // bs - (new + bs - 1) // bs
+      total += n
+    if track:
       self._need = (need_blk, need_tok) if not self._running_cut else None
     plan.num_batched_tokens = total
     t = self.totals
@@ -725,6 +724,7 @@ class Scheduler:
       assert bm.has_request(r.req_id) and bm.is_swapped(r.req_id), r
       assert bm.num_computed(r.req_id) == r.num_computed_tokens, r
       assert r.planned_tokens - r.num_computed_tokens == 1, r  # rotary requests are in decode phase
+      assert r._demand == self.blocks_for(r.planned_tokens), r  # prioritize() reads blk from it
       assert r.req_id not in seen, r
       seen.add(r.req_id)
       demand += r._demand
