@@ -58,3 +58,27 @@ def test_replay_keeps_invariants():
   for name, sc in replay.SCENARIOS.items():
     if name != "bench_1k":
       replay.run_scenario("rotasched", sc, 120, check_every=10)
+
+
+def test_bench_scheduler_times_both_policies_and_reports_the_ratio():
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run(
+      [sys.executable, os.path.join(root, "scripts", "bench_scheduler.py"), "--policy=rotasched",
+       "--num_requests=60", "--device_blocks=256", "--steps=12", "--warmup=3", "--repeats=2"],
+      check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root}).stdout
+  rows = [json.loads(line) for line in out.splitlines()]
+  assert [r["policy"] for r in rows[:-1]] == ["rotasched", "fcfs", "rotasched", "fcfs"]
+  assert [r["seed"] for r in rows[:-1]] == [0, 0, 1, 1]
+  summary = rows[-1]
+  assert summary["baseline"] == "fcfs" and len(summary["p99_ratios"]) == 2
+  best = {p: min(r["p99_ms"] for r in rows[:-1] if r["policy"] == p) for p in ("rotasched", "fcfs")}
+  assert summary["p99_ratio"] == round(best["rotasched"] / best["fcfs"], 3)
+  # the same seed replays the same plans (the plan hash is of the workload, not of the timing)
+  again = replay.Replay("rotasched", replay.Scenario(
+      device_blocks=256, host_blocks=8 * 256, block_size=16, num_requests=60, prompt_len=(32, 1024),
+      max_tokens=(32, 512), config=dict(max_num_seqs=256, max_num_batched_tokens=8192)), 0)
+  for _ in range(15):
+    again.complete(again.schedule())
+  assert again.hexdigest() == rows[0]["plan_hash"]
