@@ -682,7 +682,7 @@ def test_rotasched_strict_rotates_only_for_lagging_requests():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_sorted_queue_batch_ops_equal_one_by_one(seed):
-  """push_many / remove_many leave the same entries in the same order as push / remove one at a time."""
+  """push_many orders by key, then push order; remove_many leaves the same entries as remove one at a time."""
   import random
   from superinfer_jax.sched.queue import SortedQueue
   rng = random.Random(seed)
@@ -695,6 +695,8 @@ def test_sorted_queue_batch_ops_equal_one_by_one(seed):
     qb.push(r, k)
   ids = lambda q: [(e[0], e[1], e[2].req_id) for e in q.entries()]
   assert ids(qa) == ids(qb)
+  # independent reference: ascending key, equal keys in push order
+  assert [e[2].req_id for e in qa.entries()] == sorted(range(30), key=lambda i: (keys[i], i))
   order = [e[2].req_id for e in qa.entries()]
   pick = sorted(rng.sample(range(30), rng.randint(1, 10)), key=order.index)
   if rng.random() < 0.5:

@@ -19,23 +19,17 @@ class SortedQueue:
     self._seq = 0
 
   def push(self, r: Request, key) -> None:
-    self._seq += 1
-    entry = (key, self._seq, r)
-    items = self._items
-    # Fast path: keys are mostly times that only grow (arrivals, last-token times), so most pushes append.
-    if not items or items[-1][0] <= key:
-      items.append(entry)  # the new seq is the largest, so entry sorts after every equal key
-    else:
-      bisect.insort(items, entry)
-    r._qentry = entry
+    self.push_many((r,), (key,))
 
   def push_many(self, rs, keys) -> None:
-    """``push(r, key)`` for each pair of ``rs`` and ``keys``, in order (same entries, same order)."""
+    """Queues each ``r`` of ``rs`` under the matching key of ``keys``, in order; equal keys keep push order."""
     items = self._items
     seq = self._seq
     for r, key in zip(rs, keys):
       seq += 1
       entry = (key, seq, r)
+      # Fast path: keys are mostly times that only grow (arrivals, last-token times), so most pushes append
+      # (the new seq is the largest, so the entry sorts after every equal key).
       if not items or items[-1][0] <= key:
         items.append(entry)
       else:
