@@ -468,3 +468,24 @@ def test_swap_in_grow_is_swap_in_then_append():
   assert _bm_state(a) == _bm_state(b)
   with pytest.raises(ValueError):
     a.swap_in_grow("r", 1, PairList())  # not swapped out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_swap_out_fast_paths_equal_the_general_path(seed):
+  """swap_out_many's shortcuts (dirty tail block only; computed tokens on a block boundary with every full
+  block clean) give exactly what the general path (every dirty block copied) gives."""
+  import copy
+  rng = random.Random(seed)
+  bs = rng.choice([1, 4, 16])
+  bm = _random_manager(rng, rng.randint(8, 40), rng.choice([4, 16, 200]), bs, 8)
+  bm.take_writebacks()  # most requests now have clean full blocks: the shortcuts apply
+  for rid in [r for r in bm._seqs if not bm.is_swapped(r)]:
+    ref = copy.deepcopy(bm)
+    out_a, out_b = PairList(), PairList()
+    k, moved = bm.swap_out_many((rid,), out_a)
+    m = ref._swap_out_general(rid, ref._seqs[rid], out_b)
+    assert (k == 1) == (m is not None)
+    if m is not None:
+      assert moved == m and out_a == out_b
+    assert _bm_state(bm) == _bm_state(ref)
+  bm.check_invariants()

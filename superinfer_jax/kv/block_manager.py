@@ -482,6 +482,14 @@ class BlockManager:
         s.num_tokens = nc
         s.on_host = True
         moved += 1
+      elif not s.nwb and not tail and len(host) == nfull:
+        # The computed tokens end on a block boundary and every full block has a clean host copy (no
+        # write-back queued): nothing to copy; the device blocks are released (the general path's result).
+        mirrors += s.nhost
+        dev = s.dev
+        dev_free += dev
+        dev.clear()
+        s.on_host = True
       else:
         m = self._swap_out_general(req_id, s, out)
         if m is None:
