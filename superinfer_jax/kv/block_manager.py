@@ -482,6 +482,29 @@ class BlockManager:
         s.num_tokens = nc
         s.on_host = True
         moved += 1
+      elif (s.nwb == 1 and not tail and len(host) == nfull and nfull
+            and (req_id, nfull - 1) in self._wb):
+        # The computed tokens end on a block boundary and the last block filled after the last write-back:
+        # it is the one dirty block (write-back queue invariant). Copy it and drop its queue entry.
+        i = nfull - 1
+        h = host[i]
+        mirrors += s.nhost
+        if h == NO_BLOCK:
+          if self._host_head == len(self._host_free):
+            mirrors -= s.nhost
+            break
+          h = host[i] = self._take_host(1)[0]
+          s.nhost += 1
+        del self._wb[(req_id, i)]
+        s.nwb = 0
+        ht[i] = bs
+        dev = s.dev
+        srcs.append(dev[i])
+        dsts.append(h)
+        dev_free += dev
+        dev.clear()
+        s.on_host = True
+        moved += 1
       elif not s.nwb and not tail and len(host) == nfull:
         # The computed tokens end on a block boundary and every full block has a clean host copy (no
         # write-back queued): nothing to copy; the device blocks are released (the general path's result).
