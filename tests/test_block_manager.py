@@ -390,3 +390,109 @@ def test_no_jax_import():
   env = dict(os.environ, PYTHONPATH=REPO)
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
   assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def _bm_state(bm):
+  """Every piece of a manager's bookkeeping, comparable with ==."""
+  seqs = {rid: (list(s.dev), list(s.host), list(s.host_tokens), s.num_tokens, s.num_computed, s.on_host,
+                s.nwb, s.nhost) for rid, s in bm._seqs.items()}
+  return (seqs, bm._free_device_ids(), bm._free_host_ids(), list(bm._wb), bm.reclaimable_host_blocks())
+
+
+def _random_manager(rng, dev, host, bs, n):
+  """A manager after a random history: growth, computed marks, write-backs, rotations out and in."""
+  bm = BlockManager(dev, host, bs)
+  for step in range(60):
+    rid = rng.randrange(n)
+    if rid in bm and bm.is_swapped(rid):
+      if rng.random() < 0.5:
+        bm.swap_in(rid)
+      continue
+    if bm.append_slots(rid, rng.randint(1, 3 * bs)):
+      bm.mark_computed(rid, bm.num_tokens(rid) - rng.randint(0, 1))
+    if rng.random() < 0.3:
+      bm.take_writebacks(rng.choice([None, 2]))
+    if rid in bm and rng.random() < 0.3:
+      bm.swap_out(rid)
+  return bm
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_batched_swaps_equal_one_by_one(seed):
+  """swap_out_many / swap_in_many take the same blocks, emit the same pairs and stop where one call at a
+  time would first fail, as the single-request calls do."""
+  import copy
+  rng = random.Random(seed)
+  bs = rng.choice([1, 4, 16])
+  bm = _random_manager(rng, rng.randint(8, 40), rng.choice([0, 4, 16, 200]), bs, 8)
+  resident = [r for r in bm._seqs if not bm.is_swapped(r)]
+  rng.shuffle(resident)
+  one = copy.deepcopy(bm)
+  out_a, out_b = PairList(), PairList()
+  k, moved = bm.swap_out_many(resident, out_a)
+  done = 0
+  for rid in resident:
+    m = one.swap_out_to(rid, out_b)
+    if m is None:
+      break
+    done += 1
+  assert (k, moved) == (done, len(out_b)) and out_a == out_b
+  assert _bm_state(bm) == _bm_state(one)
+  bm.check_invariants()
+  swapped = [r for r in bm._seqs if bm.is_swapped(r)]
+  rng.shuffle(swapped)
+  grow = rng.choice([0, 1, bs + 1])
+  tables = bm.swap_in_many(swapped, grow, out_a)
+  singles = []
+  for rid in swapped:
+    t = one.swap_in_grow(rid, grow, out_b)
+    if t is None:
+      break
+    singles.append(t)
+  assert tables == singles and out_a == out_b
+  assert _bm_state(bm) == _bm_state(one)
+  assert all(t == bm.block_table(r) for r, t in zip(swapped, tables))
+  bm.check_invariants()
+
+
+def test_swap_in_grow_is_swap_in_then_append():
+  a = BlockManager(8, 8, 4)
+  assert a.append_slots("r", 6)
+  a.mark_computed("r", 6)
+  a.swap_out("r")
+  b = __import__("copy").deepcopy(a)
+  table = a.swap_in_grow("r", 3, PairList())
+  pairs = b.swap_in("r")
+  assert b.append_slots("r", 3)
+  assert table == b.block_table("r") == a.block_table("r") and len(pairs) == 2
+  assert _bm_state(a) == _bm_state(b)
+  with pytest.raises(ValueError):
+    a.swap_in_grow("r", 1, PairList())  # not swapped out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_swap_out_fast_paths_equal_the_general_path(seed):
+  """swap_out_many's shortcuts (dirty tail block only; computed tokens on a block boundary with every full
+  block clean, or with only the last one dirty) give exactly what the general path (every dirty block
+  copied) gives."""
+  import copy
+  rng = random.Random(seed)
+  bs = rng.choice([1, 4, 16])
+  bm = _random_manager(rng, rng.randint(8, 40), rng.choice([4, 16, 200]), bs, 8)
+  if rng.random() < 0.7:
+    bm.take_writebacks()  # most requests now have clean full blocks: the shortcuts apply
+  for rid in list(bm._seqs):  # fill a last block after the write-back (queued, dirty): the other shortcut
+    if not bm.is_swapped(rid) and rng.random() < 0.5:
+      room = -bm.num_tokens(rid) % bs
+      if room and bm.append_slots(rid, room):
+        bm.mark_computed(rid, bm.num_tokens(rid))
+  for rid in [r for r in bm._seqs if not bm.is_swapped(r)]:
+    ref = copy.deepcopy(bm)
+    out_a, out_b = PairList(), PairList()
+    k, moved = bm.swap_out_many((rid,), out_a)
+    m = ref._swap_out_general(rid, ref._seqs[rid], out_b)
+    assert (k == 1) == (m is not None)
+    if m is not None:
+      assert moved == m and out_a == out_b
+    assert _bm_state(bm) == _bm_state(ref)
+  bm.check_invariants()

@@ -678,3 +678,32 @@ def test_rotasched_strict_rotates_only_for_lagging_requests():
       elif k == rotate_at:
         assert p.rotated_out == ["A"] and p.admitted == ["C"], (policy, k, p)
     s.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_sorted_queue_batch_ops_equal_one_by_one(seed):
+  """push_many orders by key, then push order; remove_many leaves the same entries as remove one at a time."""
+  import random
+  from superinfer_jax.sched.queue import SortedQueue
+  rng = random.Random(seed)
+  reqs_a = [Request(i, 1, 1, 0.0) for i in range(30)]
+  reqs_b = [Request(i, 1, 1, 0.0) for i in range(30)]
+  keys = [(rng.choice([0.0, 1.0, 2.0, rng.random()]),) for _ in range(30)]
+  qa, qb = SortedQueue(), SortedQueue()
+  qa.push_many(reqs_a, keys)
+  for r, k in zip(reqs_b, keys):
+    qb.push(r, k)
+  ids = lambda q: [(e[0], e[1], e[2].req_id) for e in q.entries()]
+  assert ids(qa) == ids(qb)
+  # independent reference: ascending key, equal keys in push order
+  assert [e[2].req_id for e in qa.entries()] == sorted(range(30), key=lambda i: (keys[i], i))
+  order = [e[2].req_id for e in qa.entries()]
+  pick = sorted(rng.sample(range(30), rng.randint(1, 10)), key=order.index)
+  if rng.random() < 0.5:
+    pick = order[:len(pick)]  # the head: one slice deletion
+  qa.remove_many([reqs_a[i] for i in pick])
+  for i in pick:
+    qb.remove(reqs_b[i])
+  assert ids(qa) == ids(qb) and all(reqs_a[i]._qentry is None for i in pick)
+  with pytest.raises(KeyError):
+    qa.remove_many([reqs_a[pick[0]]])  # no longer queued

@@ -73,6 +73,11 @@ Mutations:
   * ``swap_out_to(req_id, out: PairList) -> int | None``, ``swap_in_to(req_id, out) -> int | None``: as
     ``swap_out`` / ``swap_in``, but the pairs are appended to ``out`` column-wise (no intermediate list) and
     their count is returned; None leaves ``out`` unchanged. The scheduler fills its ``StepPlan`` with these.
+  * ``swap_in_grow(req_id, num_new_tokens, out) -> list[int] | None``: ``swap_in_to`` then
+    ``append_slots(req_id, num_new_tokens)`` in one all-or-nothing call (same block ids); returns the new
+    block table (a fresh list) or None. ``swap_in_many(req_ids, num_new_tokens, out) -> tables`` and
+    ``swap_out_many(req_ids, out) -> (k, pairs)``: the same for each id in order, until one does not fit.
+    The scheduler rotates a step's requests in and out with these.
   * ``free(req_id)``: finish / abort / recompute preemption. Releases device and host blocks. Unknown id:
     no-op.
   * ``block_table(req_id) -> list[int]``: device ids of a resident request's logical blocks (a fresh list;
@@ -115,13 +120,14 @@ from superinfer_jax.kv.layout import PADDING_BLOCK
 from superinfer_jax.kv.pairs import PairList
 
 NO_BLOCK = -1
-_NO_BLOCKS = (NO_BLOCK,) * 4096  # slices of it fill a swapped request's device table
+_NO_BLOCKS = (NO_BLOCK,) * 4096  # slices of it fill host tables (no host copy) in bulk
 
 ReqId = Hashable
 
 
 class _Seq:
-  """One request's logical blocks (parallel lists, indexed by logical block)."""
+  """One request's logical blocks (parallel lists, indexed by logical block; ``dev`` is empty while the
+  request is swapped out, so ``len(host)`` is the block count in both states)."""
   __slots__ = ("dev", "host", "host_tokens", "num_tokens", "num_computed", "on_host", "nwb", "nhost")
 
   def __init__(self):
@@ -202,7 +208,7 @@ class BlockManager:
 
   def num_blocks(self, req_id: ReqId) -> int:
     s = self._seqs.get(req_id)
-    return 0 if s is None else len(s.dev)
+    return 0 if s is None else len(s.host)
 
   def num_tokens(self, req_id: ReqId) -> int:
     s = self._seqs.get(req_id)
@@ -223,7 +229,7 @@ class BlockManager:
 
   def blocks_to_swap_in(self, req_id: ReqId) -> int:
     s = self._seqs[req_id]
-    return len(s.dev) if s.on_host else 0
+    return len(s.host) if s.on_host else 0
 
   def blocks_to_swap_out(self, req_id: ReqId) -> int:
     """Host blocks ``swap_out`` would allocate (computed blocks without any host copy)."""
@@ -315,7 +321,7 @@ class BlockManager:
     if not s.nwb:
       return
     wb = self._wb
-    for i in range(len(s.dev) - 1, -1, -1):  # queued blocks are usually the most recently filled ones
+    for i in range(len(s.host) - 1, -1, -1):  # queued blocks are usually the most recently filled ones
       if wb.pop((req_id, i), 0) is None:
         s.nwb -= 1
         if not s.nwb:
@@ -429,51 +435,117 @@ class BlockManager:
 
     None means the host pool lacks blocks; then neither the manager nor ``out`` changed.
     """
-    s = self._seqs[req_id]
-    if s.on_host:
-      raise ValueError(f"request {req_id!r} is already swapped out")
-    host = s.host
+    done, moved = self.swap_out_many((req_id,), out)
+    return moved if done else None
+
+  def swap_out_many(self, req_ids, out: PairList) -> tuple[int, int]:
+    """``swap_out_to`` for each id in order, stopping at the first the host pool cannot take.
+
+    Returns ``(k, pairs)``: the first ``k`` requests are swapped out (their D2H pairs, ``pairs`` in all, are
+    appended to ``out`` in order); ``req_ids[k]``, if any, is unchanged (host pool too small). The
+    scheduler rotates a step's victims out with one call.
+    """
+    seqs = self._seqs
+    bs = self.block_size
+    srcs = out.srcs
+    dsts = out.dsts
+    dev_free = self._dev_free
+    done = moved = mirrors = 0
+    for req_id in req_ids:
+      s = seqs[req_id]
+      if s.on_host:
+        raise ValueError(f"request {req_id!r} is already swapped out")
+      host = s.host
+      nc = s.num_computed
+      nfull = nc // bs
+      tail = nc - nfull * bs
+      ht = s.host_tokens
+      if not s.nwb and tail and ht[nfull] < tail and len(host) == nfull + 1:
+        # Fast path (the usual rotation under eager write-back): no full block is queued for write-back, i.e.
+        # (write-back queue invariant) every full computed block has a clean host copy, so the partial tail
+        # block (the last one: no uncomputed slots beyond it) is the only dirty one. Same result as the
+        # general path.
+        h = host[nfull]
+        mirrors += s.nhost
+        if h == NO_BLOCK:
+          if self._host_head == len(self._host_free):
+            mirrors -= s.nhost
+            break
+          h = host[nfull] = self._take_host(1)[0]
+          s.nhost += 1
+        ht[nfull] = tail
+        dev = s.dev
+        srcs.append(dev[nfull])
+        dsts.append(h)
+        dev_free += dev
+        dev.clear()
+        s.num_tokens = nc
+        s.on_host = True
+        moved += 1
+      elif (s.nwb == 1 and not tail and len(host) == nfull and nfull
+            and (req_id, nfull - 1) in self._wb):
+        # The computed tokens end on a block boundary and the last block filled after the last write-back:
+        # it is the one dirty block (write-back queue invariant). Copy it and drop its queue entry.
+        i = nfull - 1
+        h = host[i]
+        mirrors += s.nhost
+        if h == NO_BLOCK:
+          if self._host_head == len(self._host_free):
+            mirrors -= s.nhost
+            break
+          h = host[i] = self._take_host(1)[0]
+          s.nhost += 1
+        del self._wb[(req_id, i)]
+        s.nwb = 0
+        ht[i] = bs
+        dev = s.dev
+        srcs.append(dev[i])
+        dsts.append(h)
+        dev_free += dev
+        dev.clear()
+        s.on_host = True
+        moved += 1
+      elif not s.nwb and not tail and len(host) == nfull:
+        # The computed tokens end on a block boundary and every full block has a clean host copy (no
+        # write-back queued): nothing to copy; the device blocks are released (the general path's result).
+        mirrors += s.nhost
+        dev = s.dev
+        dev_free += dev
+        dev.clear()
+        s.on_host = True
+      else:
+        m = self._swap_out_general(req_id, s, out)
+        if m is None:
+          break
+        moved += m
+      done += 1
+    self._mirror_blocks -= mirrors
+    return done, moved
+
+  def _swap_out_general(self, req_id: ReqId, s: _Seq, out: PairList) -> int | None:
+    """One swap-out by the general path: every dirty block copied, uncomputed slots dropped (None: the host
+    pool lacks blocks; nothing changed)."""
+    moved = self._swap_out_dirty(req_id, s, out)
+    if moved is None:
+      return None
+    # Release the device blocks (one bulk extend; a swapped request keeps an empty device list) and drop logical
+    # blocks past the computed tokens (their KV does not exist). The per-request lists are updated in place:
+    # replacing them would hand the cyclic GC's older generations thousands of fresh list items per step
+    # under heavy rotation.
     bs = self.block_size
     nc = s.num_computed
-    nfull = nc // bs
-    tail = nc - nfull * bs
-    ht = s.host_tokens
-    if not s.nwb and tail and ht[nfull] < tail:
-      # Fast path (the usual rotation under eager write-back): no full block is queued for write-back, i.e.
-      # (write-back queue invariant) every full computed block has a clean host copy, so the partial tail
-      # block is the only dirty one. Same result as the general path below.
-      h = host[nfull]
-      if h == NO_BLOCK:
-        if self._host_head == len(self._host_free):
-          return None
-        h = host[nfull] = self._take_host(1)[0]
-        s.nhost += 1
-        self._mirror_blocks -= s.nhost - 1
-      else:
-        self._mirror_blocks -= s.nhost
-      ht[nfull] = tail
-      out.srcs.append(s.dev[nfull])
-      out.dsts.append(h)
-      moved = 1
-    else:
-      moved = self._swap_out_dirty(req_id, s, out)
-      if moved is None:
-        return None
-    # Release the device blocks (one bulk extend) and drop logical blocks past the computed tokens (their KV
-    # does not exist). The per-request lists are updated in place: replacing them would hand the cyclic GC's
-    # older generations thousands of fresh list items per step under heavy rotation.
+    host = s.host
     dev = s.dev
     self._dev_free += dev
-    n = -(-nc // bs)
+    dev.clear()
+    n = (nc + bs - 1) // bs
     if n < len(host):
       dropped = [h for h in host[n:] if h != NO_BLOCK]
       if dropped:
         self._host_free += dropped
         s.nhost -= len(dropped)
       del host[n:]
-      del ht[n:]
-      del dev[n:]
-    dev[:] = _NO_BLOCKS[:n] if n <= len(_NO_BLOCKS) else [NO_BLOCK] * n
+      del s.host_tokens[n:]
     s.num_tokens = nc
     s.on_host = True
     return moved
@@ -537,20 +609,68 @@ class BlockManager:
 
     None means the device pool lacks blocks; then neither the manager nor ``out`` changed.
     """
-    s = self._seqs[req_id]
-    if not s.on_host:
-      raise ValueError(f"request {req_id!r} is not swapped out")
-    host = s.host
-    n = len(host)
-    if n > len(self._dev_free) - self._dev_head:
-      return None
-    devs = self._take_dev(n)
-    s.dev[:] = devs  # in place (see swap_out)
-    s.on_host = False
-    self._mirror_blocks += n
-    out.srcs += host
-    out.dsts += devs
-    return n
+    table = self.swap_in_grow(req_id, 0, out)
+    return None if table is None else len(table)
+
+  def swap_in_grow(self, req_id: ReqId, num_new_tokens: int, out: PairList) -> list[int] | None:
+    """``swap_in_to`` followed by ``append_slots(req_id, num_new_tokens)``, as one all-or-nothing step.
+
+    Appends the H2D pairs (one per host block, in logical order) to ``out`` and returns the request's new
+    device block table (a fresh list, as ``block_table`` would return). The device blocks come off the
+    free list's head in the order the two calls would take them (the swap-in's, then the growth's). None:
+    the device pool lacks blocks for both; nothing changed.
+    """
+    tables = self.swap_in_many((req_id,), num_new_tokens, out)
+    return tables[0] if tables else None
+
+  def swap_in_many(self, req_ids, num_new_tokens: int, out: PairList) -> list[list[int]]:
+    """``swap_in_grow(req_id, num_new_tokens, out)`` for each (distinct) id in order, stopping at the first
+    the device pool cannot take. Returns the new block tables of those swapped in (a prefix of ``req_ids``;
+    fresh lists); their H2D pairs are appended to ``out`` in order. The device blocks are exactly those the
+    calls one by one would take. The scheduler rotates a step's requests in with one call.
+    """
+    if num_new_tokens < 0:
+      raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+    seqs = self._seqs
+    bs = self.block_size
+    srcs = out.srcs
+    dsts = out.dsts
+    free = self._dev_free
+    head = self._dev_head
+    avail = len(free) - head
+    tables = []
+    mirrors = 0
+    for req_id in req_ids:
+      s = seqs[req_id]
+      if not s.on_host:
+        raise ValueError(f"request {req_id!r} is not swapped out")
+      host = s.host
+      n = len(host)
+      tokens = s.num_tokens + num_new_tokens
+      need = (tokens + bs - 1) // bs  # >= n: a swapped request's blocks cover exactly its tokens
+      if need > avail:
+        break
+      avail -= need
+      devs = free[head:head + need]  # _take_dev(need), inline (the free list's head, in order)
+      head += need
+      s.dev += devs  # in place (see swap_out; it was empty)
+      srcs += host
+      if need == n:
+        dsts += devs
+      else:
+        dsts += devs[:n]
+        host += _NO_BLOCKS[:need - n] if need - n <= len(_NO_BLOCKS) else [NO_BLOCK] * (need - n)
+        s.host_tokens += [0] * (need - n)
+      s.on_host = False
+      s.num_tokens = tokens
+      mirrors += n  # every host block of a swapped request is now a clean mirror
+      tables.append(devs)
+    if head + head >= len(free):  # compact as _take_dev does (the consumed prefix is at least half)
+      del free[:head]
+      head = 0
+    self._dev_head = head
+    self._mirror_blocks += mirrors
+    return tables
 
   def free(self, req_id: ReqId) -> None:
     """Releases every device and host block of the request (finish, abort, recompute preemption)."""
@@ -604,12 +724,16 @@ class BlockManager:
     dev_owners = [0] * (self.num_device_blocks + 1)
     host_owners = [0] * self.num_host_blocks
     for rid, s in self._seqs.items():
-      n = len(s.dev)
-      assert len(s.host) == n and len(s.host_tokens) == n, f"{rid!r}: parallel lists differ in length"
+      n = len(s.host)
+      assert len(s.host_tokens) == n, f"{rid!r}: parallel lists differ in length"
+      if s.on_host:
+        assert not s.dev, f"{rid!r}: swapped request holds device blocks {s.dev}"
+      else:
+        assert len(s.dev) == n, f"{rid!r}: {len(s.dev)} device ids for {n} logical blocks"
       assert 0 <= s.num_computed <= s.num_tokens, f"{rid!r}: computed {s.num_computed} > {s.num_tokens}"
       assert n == -(-s.num_tokens // bs), f"{rid!r}: {n} blocks do not cover exactly {s.num_tokens} tokens"
       for i in range(n):
-        d, h, ht = s.dev[i], s.host[i], s.host_tokens[i]
+        d, h, ht = NO_BLOCK if s.on_host else s.dev[i], s.host[i], s.host_tokens[i]
         assert 0 <= ht <= bs, f"{rid!r}[{i}]: host_tokens {ht}"
         if h == NO_BLOCK:
           assert ht == 0, f"{rid!r}[{i}]: host_tokens {ht} without a host block"
@@ -617,7 +741,6 @@ class BlockManager:
           assert 0 <= h < self.num_host_blocks, f"{rid!r}[{i}]: bad host id {h}"
           host_owners[h] += 1
         if s.on_host:
-          assert d == NO_BLOCK, f"{rid!r}[{i}]: swapped request holds device block {d}"
           assert h != NO_BLOCK, f"{rid!r}[{i}]: swapped request lacks a host block"
           assert ht >= self._computed_in_block(s, i), f"{rid!r}[{i}]: swapped block is dirty"
         else:

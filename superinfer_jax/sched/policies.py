@@ -74,6 +74,7 @@ class Policy:
   name = "base"
   reactive_mode = "recompute"
   uses_host_pool = True   # False: KV never goes to host, so eager write-back would only waste D2H bandwidth
+  uses_running_needs = False  # True: schedule_step calls sched.running_needs() first (kept incrementally)
 
   def __init__(self):
     self._head_counter = 0
@@ -88,6 +89,10 @@ class Policy:
 
   def rotary_key(self, r: Request, sched) -> tuple:
     return (r.state_time,)
+
+  def rotary_keys(self, rs, sched) -> list:
+    """``[rotary_key(r, sched) for r in rs]`` (policies override it where one pass is cheaper)."""
+    return [self.rotary_key(r, sched) for r in rs]
 
   def candidates(self, sched, now: float) -> Iterator[Request]:
     """Waiting + rotary requests, highest priority first."""
@@ -166,6 +171,7 @@ class RotationPolicy(Policy):
   """Algorithm 1 (docs/paper.md §2.1) with a policy-defined candidate order (see the module docstring)."""
   name = "rotation"
   reactive_mode = "swap"
+  uses_running_needs = True
 
   def waiting_key(self, r, sched):
     return (r.arrival_time,)
@@ -215,40 +221,41 @@ class RotationPolicy(Policy):
     b_used = 0
     in_blocks = 0
     R = []
-    scanned = 0
     skips = 0
-    scan_limit = cfg.lvf_scan_limit
     max_skips = cfg.lvf_max_skips
     max_seqs = cfg.max_num_seqs
     b_all = b_hbm + bx
+    if tokens <= 0 or max_seqs <= 0 or b_all <= 0:
+      return R, b_used
     urgent = None if type(self).urgent is RotationPolicy.urgent else self.urgent  # None: always urgent
-    for r in self.candidates(sched, now):
-      scanned += 1
-      if (scanned > scan_limit or skips >= max_skips or tokens <= 0
-          or len(R) >= max_seqs or b_used >= b_all):
-        break
+    # At most lvf_scan_limit candidates; the other stopping rules are checked where their inputs change.
+    for r in itertools.islice(self.candidates(sched, now), cfg.lvf_scan_limit):
       if r._touched_step == step or r.inflight_samples:
         continue
-      planned = r.prompt_len + r.num_generated  # + inflight_samples, which is 0 here
-      blk = (planned + bs - 1) // bs
-      limit = b_all if urgent is None or urgent(r, now) else b_hbm
-      if b_used + blk > limit:
+      blk = r._demand  # blocks_for(planned_tokens), kept by the queues (inflight_samples is 0 here)
+      if b_used + blk > (b_all if urgent is None or urgent(r, now) else b_hbm):
         skips += 1
+        if skips >= max_skips:
+          break
         continue
       if r.state is ROTARY:
         # bm.blocks_to_swap_in(r.req_id): a rotary request's host blocks cover exactly its computed tokens.
         nin = (r.num_computed_tokens + bs - 1) // bs
-        if not (in_blocks + nin <= bx or in_blocks == 0):
+        if in_blocks and in_blocks + nin > bx:
           skips += 1
+          if skips >= max_skips:
+            break
           continue
         in_blocks += nin
         tokens -= 1
       else:
-        rem = planned - r.num_computed_tokens
+        rem = r.prompt_len + r.num_generated - r.num_computed_tokens
         tokens -= rem if rem < tokens else tokens
       skips = 0
       R.append(r)
       b_used += blk
+      if tokens <= 0 or len(R) >= max_seqs or b_used >= b_all:
+        break
     return R, b_used
 
   def pick_victims(self, sched, now: float, b_swap: int, seats: int) -> list[Request]:
@@ -294,21 +301,11 @@ class RotationPolicy(Policy):
     recompute), then admit R in order, skipping those that do not fit."""
     cfg = sched.config
     bx = cfg.proactive_swap_budget
-    for v in victims:
-      if not sched.rotate_out(v) and cfg.proactive_recompute:
-        sched.preempt(v)  # host pool full: fall back to recompute (opt-in; see SchedulerConfig)
+    # pick_victims checked rotatable(v) in this step; a victim the host pool cannot take stays running, or
+    # falls back to recompute (opt-in; see SchedulerConfig).
+    sched.rotate_out_many(victims, recompute_if_full=cfg.proactive_recompute)
     sched.schedule_running(self.reactive_mode, swap_cap=bx)
-    swap_in = sched.swap_in
-    admit_waiting = sched.admit_waiting
-    running = sched.running
-    max_seqs = cfg.max_num_seqs
-    for r in R:
-      if sched.budget_left() <= 0 or len(running) >= max_seqs:  # seats_left() <= 0, inline
-        break
-      if r.state is ROTARY:  # sched.admit(r, cap=bx)
-        swap_in(r, bx)
-      else:
-        admit_waiting(r)
+    sched.admit_in_order(R, cap=bx)
 
 
 class WaitingFirst(RotationPolicy):
@@ -331,9 +328,15 @@ class RotaSched(RotationPolicy):
     return (r.arrival_time + cfg.beta_f * sf,)
 
   def rotary_key(self, r, sched):
+    return self.rotary_keys((r,), sched)[0]
+
+  def rotary_keys(self, rs, sched):
+    # (rotary_ref_time(r) + beta_b * S_B,) per request, inline: victims are keyed in one pass per step.
     cfg = sched.config
-    sb = r.tbt_slo if r.tbt_slo is not None else cfg.tbt_slo
-    return (rotary_ref_time(r) + cfg.beta_b * sb,)
+    beta_b = cfg.beta_b
+    tbt_slo = cfg.tbt_slo
+    return [((r.last_token_time if r.last_token_time is not None else r.state_time)
+             + beta_b * (r.tbt_slo if r.tbt_slo is not None else tbt_slo),) for r in rs]
 
   def candidates(self, sched, now):
     return _lvf_merge(sched.waiting.entries(), sched.rotary.entries(), now, sched.config.alpha)
@@ -379,6 +382,7 @@ class EDF(RotationPolicy):
 class RotaSchedCode(Policy):
   """The reference code's per-step algorithm (docs/paper.md §2.2), for comparison with ``rotasched``."""
   name = "rotasched_code"
+  uses_running_needs = True
 
   def waiting_key(self, r, sched):
     return (r.state_time,)  # in_waiting_since: arrival, or the time it was preempted
@@ -437,32 +441,30 @@ def _lvf_merge(waiting: list, rotary: list, now: float, alpha: float) -> Iterato
   """Largest VLT first over the two queue snapshots (each sorted by its VLT zero point, ascending).
 
   The same order as ``heapq.merge(waiting, rotary, key=k)`` with ``k = (-VLT, -x)``, ``x`` the un-ReLU'd lag
-  (``now - key`` for waiting, ``alpha * (now - key)`` for rotary), ties going to waiting. A plain two-way
-  merge that computes a key only when a queue's head changes, because the scan runs every step.
+  (``now - key`` for waiting, ``alpha * (now - key)`` for rotary), ties going to waiting. Since
+  ``VLT = max(x, 0)`` is monotone in ``x``, ``(VLT, x)`` orders exactly as ``x`` does: rotary comes first iff
+  its ``x`` is strictly larger. A plain two-way merge that computes ``x`` only when a queue's head changes,
+  because the scan runs every step.
   """
   nw = len(waiting)
   nr = len(rotary)
   i = j = 0
-  if i < nw:
+  if nw and nr:
     xw = now - waiting[0][0][0]
-    vw = xw if xw > 0 else 0.0
-  if j < nr:
     xr = alpha * (now - rotary[0][0][0])
-    vr = xr if xr > 0 else 0.0
-  while i < nw and j < nr:
-    # Rotary first iff its key (-vr, -xr) is strictly smaller than waiting's (-vw, -xw).
-    if vr > vw or (vr == vw and xr > xw):
-      yield rotary[j][2]
-      j += 1
-      if j < nr:
+    while True:
+      if xr > xw:
+        yield rotary[j][2]
+        j += 1
+        if j == nr:
+          break
         xr = alpha * (now - rotary[j][0][0])
-        vr = xr if xr > 0 else 0.0
-    else:
-      yield waiting[i][2]
-      i += 1
-      if i < nw:
+      else:
+        yield waiting[i][2]
+        i += 1
+        if i == nw:
+          break
         xw = now - waiting[i][0][0]
-        vw = xw if xw > 0 else 0.0
   while i < nw:
     yield waiting[i][2]
     i += 1

@@ -19,15 +19,48 @@ class SortedQueue:
     self._seq = 0
 
   def push(self, r: Request, key) -> None:
-    self._seq += 1
-    entry = (key, self._seq, r)
+    self.push_many((r,), (key,))
+
+  def push_many(self, rs, keys) -> None:
+    """Queues each ``r`` of ``rs`` under the matching key of ``keys``, in order; equal keys keep push order."""
     items = self._items
-    # Fast path: keys are mostly times that only grow (arrivals, last-token times), so most pushes append.
-    if not items or items[-1][0] <= key:
-      items.append(entry)  # the new seq is the largest, so entry sorts after every equal key
-    else:
-      bisect.insort(items, entry)
-    r._qentry = entry
+    seq = self._seq
+    for r, key in zip(rs, keys):
+      seq += 1
+      entry = (key, seq, r)
+      # Fast path: keys are mostly times that only grow (arrivals, last-token times), so most pushes append
+      # (the new seq is the largest, so the entry sorts after every equal key).
+      if not items or items[-1][0] <= key:
+        items.append(entry)
+      else:
+        bisect.insort(items, entry)
+      r._qentry = entry
+    self._seq = seq
+
+  def remove_many(self, rs) -> None:
+    """``remove(r)`` for each of ``rs`` (distinct requests in this queue). One slice deletion when they are
+    the queue's first ``len(rs)`` entries (admission takes from the head), else one filtering pass over the
+    queue up to the last of them."""
+    items = self._items
+    entries = [r._qentry for r in rs]
+    if not entries:
+      return
+    if None in entries:
+      raise KeyError(f"{rs[entries.index(None)]!r} is not queued")
+    last = max(entries)  # entries compare by (key, seq): seq is unique, so the request is never compared
+    j = bisect.bisect_left(items, last)
+    if j >= len(items) or items[j] is not last:
+      raise KeyError(f"{last[2]!r} not in this queue")
+    for r in rs:
+      r._qentry = None
+    k = len(entries)
+    if j == k - 1:  # all k entries sit at indices <= k - 1: they are the first k
+      del items[:k]
+      return
+    kept = [e for e in items[:j + 1] if e[2]._qentry is e]
+    if len(kept) != j + 1 - k:
+      raise KeyError("remove_many: some requests are not in this queue")
+    items[:j + 1] = kept
 
   def remove(self, r: Request) -> None:
     entry = r._qentry

@@ -40,6 +40,15 @@ Step structure (each policy composes these; see ``policies.py``)
      blocks, ``max_num_seqs`` and the swap-in budget;
   4. eager write-back pairs are taken last, then the plan's tokens are marked computed.
 
+Building blocks for policies (``policies.py``): ``running_needs()``, ``schedule_running()``, ``rotate_out(r)`` /
+``rotate_out_many(victims)``, ``swap_in(r)``, ``admit_waiting(r)``, ``admit_in_order(rs)``, ``preempt(r)``,
+``evict(r)``, ``rotatable(r)``. The ``*_many`` / ``admit_in_order`` forms decide exactly as one call per
+request would and move a step's rotations through batched block-manager calls (the hot path under
+rotation: ``scripts/bench_scheduler.py``). ``running_needs()`` is kept incrementally by ``_finalize`` for
+policies that set ``uses_running_needs`` (checked by ``check_invariants``). ``tests/test_sched_replay.py``
+pins every policy's plans (``sched/replay.py``); ``tests/test_sched_equivalence.py`` checks the fast paths
+against plain reference implementations.
+
 Invariants (``check_invariants``): every live request is in exactly one of running / waiting (WAITING or
 PREEMPTED) / rotary matching its state; RUNNING <=> resident in the block manager with
 ``num_tokens == num_computed_tokens``; ROTARY <=> swapped in the block manager; WAITING/PREEMPTED <=> no
@@ -99,6 +108,10 @@ class Scheduler:
     self._budget = 0
     self._out_moved = 0
     self._in_moved = 0
+    # running_needs() kept incrementally: (blocks, tokens) the running requests need next step, or None
+    # (unknown: recompute); _running_cut: this step's running loop stopped at the token budget.
+    self._need: tuple[int, int] | None = None
+    self._running_cut = False
 
   # ------------------------------------------------------------------ queries
   @property
@@ -197,6 +210,13 @@ class Scheduler:
   def _finish(self, r: Request, reason: str, now: float, aborted: bool = False) -> None:
     if r.state is RUNNING:
       del self.running[r.req_id]
+      need = self._need
+      if need is not None:
+        if self._plan is None:  # between steps: its need was counted by _finalize
+          blk, tok = self._need_of(r)
+          self._need = (need[0] - blk, need[1] - tok)
+        else:
+          self._need = None
     elif r._qentry is not None:
       self._dequeue(r)
     self.bm.free(r.req_id)
@@ -221,6 +241,7 @@ class Scheduler:
     self._budget = self.config.max_num_batched_tokens
     self._out_moved = 0
     self._in_moved = 0
+    self._running_cut = False
     self.policy.schedule_step(self, plan, now)
     self._finalize(plan)
     self._plan = None
@@ -239,6 +260,13 @@ class Scheduler:
     reqs = self.requests
     mark = bm.mark_computed
     total = 0
+    # Rotation policies also sum what each scheduled request will need next step: running_needs()'s totals,
+    # kept incrementally. A request's need changes only here (on_step_done moves a token from in flight to
+    # generated, which leaves it alone); a running request not scheduled in this step needs nothing unless
+    # the token budget cut the running loop short, and then running_needs() scans.
+    track = self.policy.uses_running_needs
+    bs = bm.block_size
+    need_tok = need_blk = 0
     for seq in plan.scheduled:
       rid = seq.req_id
       r = reqs[rid]
@@ -248,7 +276,17 @@ class Scheduler:
       r.num_computed_tokens = new
       if seq.sample:
         r.inflight_samples += 1
+        if track and r.num_generated + r.inflight_samples < r.max_tokens:  # else will_finish: no need
+          need_tok += 1  # the sampled token's KV
+          if new % bs == 0:
+            need_blk += 1
+      elif track:  # a prefill chunk short of the known tokens
+        rem = r.prompt_len + r.num_generated + r.inflight_samples - new
+        need_tok += rem
+        need_blk += (new + rem + bs - 1) // bs - (new + bs - 1) // bs
       total += n
+    if track:
+      self._need = (need_blk, need_tok) if not self._running_cut else None
     plan.num_batched_tokens = total
     t = self.totals
     t["steps"] += 1
@@ -287,7 +325,31 @@ class Scheduler:
     return self.config.max_num_seqs - len(self.running)
 
   def running_needs(self) -> tuple[int, int]:
-    """(device blocks, tokens) running requests need this step, in admission order under the token budget."""
+    """(device blocks, tokens) running requests need this step, in admission order under the token budget.
+
+    At the start of a step (nothing planned yet) this is the total ``_finalize`` kept for the running set
+    when it fits the budget (policies with ``uses_running_needs``); otherwise one pass over the running
+    requests (``_running_needs_scan``, the definition).
+    """
+    need = self._need
+    plan = self._plan
+    if (need is not None and need[1] <= self._budget and plan is not None and not plan.scheduled
+        and not plan.rotated_out and not plan.preempted):
+      return need
+    return self._running_needs_scan()
+
+  def _need_of(self, r: Request) -> tuple[int, int]:
+    """(blocks, tokens) running request ``r`` needs next step, without a budget (``running_needs``'s term)."""
+    gen = r.num_generated + r.inflight_samples
+    c = r.num_computed_tokens
+    rem = r.prompt_len + gen - c
+    if rem <= 0 or gen >= r.max_tokens:
+      return 0, 0
+    bs = self.bm.block_size
+    return (c + rem + bs - 1) // bs - (c + bs - 1) // bs, rem
+
+  def _running_needs_scan(self) -> tuple[int, int]:
+    """``running_needs`` by one pass over the running requests in admission order."""
     budget = self._budget
     blocks = 0
     bs = self.bm.block_size
@@ -329,6 +391,7 @@ class Scheduler:
       if r.state is not RUNNING or r._touched_step == step:
         continue  # evicted in this loop, or admitted/rotated in this step (already scheduled)
       if budget <= 0:
+        self._running_cut = True  # requests after this one keep their need unscheduled
         break
       gen = r.num_generated + r.inflight_samples
       rem = r.prompt_len + gen - r.num_computed_tokens
@@ -379,29 +442,62 @@ class Scheduler:
   def rotate_out(self, r: Request) -> bool:
     """Running -> ROTARY (KV to host). False (no change) if the host pool lacks room."""
     assert r.state is RUNNING and self.rotatable(r), r
-    rid = r.req_id
+    return self.rotate_out_many([r]) == 1
+
+  def rotate_out_many(self, victims: list[Request], recompute_if_full: bool = False) -> int:
+    """``rotate_out`` for each of ``victims`` in order (callers checked ``rotatable`` in this step); returns
+    how many rotated out. One the host pool cannot take, even after clean mirrors of other running requests
+    are reclaimed, stays running, or is recompute-preempted with ``recompute_if_full``. The same decisions
+    as one ``rotate_out`` call per victim; the block manager swaps each run of victims that fit in one call.
+    """
     bm = self.bm
+    out = self._plan.swap_out
+    rids = [v.req_id for v in victims]
+    n = len(victims)
+    i = rotated = 0
+    while i < n:
+      k, moved = bm.swap_out_many(rids[i:] if i else rids, out)
+      if k:
+        self._rotated_out(victims[i:i + k], moved)
+        rotated += k
+        i += k
+      if i == n:
+        break
+      r = victims[i]  # the host pool cannot take it as things stand
+      moved = None
+      if self._reclaim_host_mirrors(bm.blocks_to_swap_out(r.req_id), r):
+        moved = bm.swap_out_to(r.req_id, out)
+      if moved is not None:
+        self._rotated_out([r], moved)
+        rotated += 1
+      elif recompute_if_full:
+        self.preempt(r)
+      i += 1
+    return rotated
+
+  def _rotated_out(self, rs: list[Request], moved: int) -> None:
+    """Bookkeeping of requests just swapped out (``moved`` D2H pairs in all): RUNNING -> ROTARY, queued."""
     plan = self._plan
-    # The D2H pairs go straight into the plan's PairList columns (no per-request list).
-    n = bm.swap_out_to(rid, plan.swap_out)
-    if n is None and self._reclaim_host_mirrors(bm.blocks_to_swap_out(rid), r):
-      n = bm.swap_out_to(rid, plan.swap_out)
-    if n is None:
-      return False
-    plan.rotated_out.append(rid)
-    self._out_moved += n
-    del self.running[rid]
-    plan.residency_steps += self._step - r._admit_step
-    r.state = ROTARY
-    r.state_time = self._now
-    r._touched_step = self._step
-    r._out_step = self._step
-    r.num_rotations += 1
-    self.rotary.push(r, self.policy.rotary_key(r, self))  # _enqueue_rotary(r), inline
-    d = (r.prompt_len + r.num_generated + r.inflight_samples + bm.block_size - 1) // bm.block_size
-    r._demand = d
-    self._demand += d
-    return True
+    step = self._step
+    now = self._now
+    running = self.running
+    bs = self.bm.block_size
+    residency = demand = 0
+    for r in rs:
+      del running[r.req_id]
+      residency += step - r._admit_step
+      r.state = ROTARY
+      r.state_time = now
+      r._touched_step = r._out_step = step
+      r.num_rotations += 1
+      d = (r.prompt_len + r.num_generated + r.inflight_samples + bs - 1) // bs  # _enqueue_rotary(r), inline
+      r._demand = d
+      demand += d
+    self.rotary.push_many(rs, self.policy.rotary_keys(rs, self))  # keyed after the state change
+    plan.rotated_out += [r.req_id for r in rs]
+    plan.residency_steps += residency
+    self._out_moved += moved
+    self._demand += demand
 
   def _reclaim_host_mirrors(self, need: int, keep: Request) -> bool:
     """Frees host blocks held by clean mirrors of running requests (most recently admitted first) until
@@ -440,48 +536,94 @@ class Scheduler:
     issues the step's D2H copies before its H2D copies (block manager ordering contract 3).
     """
     assert r.state is ROTARY, r
+    return self.admit_in_order((r,), cap, round_trip) == 1
+
+  def admit_in_order(self, rs, cap: int | None = None, round_trip: bool = False) -> int:
+    """Admits ``rs`` in order, skipping those that do not fit now, until the token budget or the seats run
+    out; returns how many were admitted. A rotary request is swapped in (``swap_in`` with ``cap`` and
+    ``round_trip``), a waiting one gets a prefill chunk (``admit_waiting``). The same decisions as one
+    ``swap_in`` / ``admit_waiting`` call per request; the swap-ins between two waiting requests are applied
+    with one block-manager call.
+
+    A rotary request is in its decode phase (an invariant): its one pending token needs one slot
+    (``planned_tokens - num_computed_tokens == 1``) and its host blocks cover exactly its computed tokens.
+    """
     step = self._step
-    trip = r._out_step == step
-    if trip:
-      if not round_trip:
-        return False  # never rotated out and in within one step (unless the policy says so)
-    elif r._touched_step == step or r.inflight_samples:
-      return False
-    c = r.num_computed_tokens
-    n = r.prompt_len + r.num_generated + r.inflight_samples - c  # planned_tokens - num_computed_tokens
-    if n <= 0 or n > self._budget or len(self.running) >= self.config.max_num_seqs:
-      return False
-    bm = self.bm
-    rid = r.req_id
-    bs = bm.block_size
-    # bm.blocks_to_swap_in(rid), inline: a rotary request's host blocks cover exactly its computed tokens.
-    nblk = (c + bs - 1) // bs
-    if not (cap is None or self._in_moved + nblk <= cap or self._in_moved == 0):  # in_fits
-      return False
-    if (c + n + bs - 1) // bs > bm.num_free_device_blocks:
-      return False
+    bs = self.bm.block_size
+    budget = self._budget
+    seats = self.config.max_num_seqs - len(self.running)
+    free = self.bm.num_free_device_blocks
+    in_moved = self._in_moved
+    admitted = 0
+    batch = []  # rotary requests that fit, not yet swapped in
+    for r in rs:
+      if budget <= 0 or seats <= 0:
+        break
+      if r.state is not ROTARY:
+        if batch:
+          self._apply_swap_ins(batch, budget, in_moved)
+          admitted += len(batch)
+          batch = []
+        if self.admit_waiting(r):
+          admitted += 1
+        budget = self._budget
+        seats = self.config.max_num_seqs - len(self.running)
+        free = self.bm.num_free_device_blocks
+        continue
+      if r._touched_step == step:  # moved earlier in this step (rotated out in it: _out_step == step too)
+        if not round_trip or r._out_step != step:
+          continue
+      elif r.inflight_samples:
+        continue
+      c = r.num_computed_tokens
+      nblk = (c + bs - 1) // bs  # bm.blocks_to_swap_in(rid), inline
+      if cap is not None and in_moved and in_moved + nblk > cap:  # not in_fits(nblk, cap)
+        continue
+      need = c // bs + 1  # device blocks for the computed tokens plus the pending token's slot
+      if need > free:
+        continue
+      free -= need
+      budget -= 1
+      seats -= 1
+      in_moved += nblk
+      batch.append(r)
+    if batch:
+      self._apply_swap_ins(batch, budget, in_moved)
+      admitted += len(batch)
+    return admitted
+
+  def _apply_swap_ins(self, batch: list[Request], budget: int, in_moved: int) -> None:
+    """Swaps in the rotary requests of ``batch`` (checked to fit): H2D pairs and the pending token's slot
+    from the block manager, ROTARY -> RUNNING, each scheduled for its pending token. ``budget`` and
+    ``in_moved`` are the token budget and swap-in volume after them."""
     plan = self._plan
-    moved = bm.swap_in_to(rid, plan.swap_in)  # H2D pairs straight into the plan's columns
-    ok = bm.append_slots(rid, n)
-    assert moved is not None and ok
-    self.rotary.remove(r)  # _dequeue(r), inline (hot under rotation)
-    self._demand -= r._demand
-    r._demand = 0
-    plan.rotated_in.append(rid)
-    if trip:
-      plan.round_trips.append(rid)
-      self.totals["round_trips"] += 1
-    self._in_moved += moved
-    # _to_running(r), inline
-    r.state = RUNNING
-    r.state_time = self._now
-    r._touched_step = self._step
-    r._admit_step = self._step
-    r._gen_at_admit = r.num_generated + r.inflight_samples
-    self.running[rid] = r
-    plan.scheduled.append(ScheduledSeq(rid, n, c, bm.block_table(rid), True))  # _emit: c + n == planned
-    self._budget -= n
-    return True
+    rids = [r.req_id for r in batch]
+    tables = self.bm.swap_in_many(rids, 1, plan.swap_in)
+    assert len(tables) == len(batch)
+    self.rotary.remove_many(batch)  # _dequeue(r), inline (hot under rotation)
+    step = self._step
+    now = self._now
+    running = self.running
+    emit = plan.scheduled.append
+    demand = 0
+    for r, table in zip(batch, tables):
+      demand += r._demand
+      r._demand = 0
+      if r._out_step == step:  # a round trip (rotasched_code)
+        plan.round_trips.append(r.req_id)
+        self.totals["round_trips"] += 1
+      # _to_running(r), inline
+      r.state = RUNNING
+      r.state_time = now
+      r._touched_step = r._admit_step = step
+      c = r.num_computed_tokens
+      r._gen_at_admit = c + 1 - r.prompt_len  # num_generated + inflight_samples
+      running[r.req_id] = r
+      emit(ScheduledSeq(r.req_id, 1, c, table, True))  # _emit: c + 1 == planned_tokens
+    plan.rotated_in += rids
+    self._demand -= demand
+    self._budget = budget
+    self._in_moved = in_moved
 
   def admit_waiting(self, r: Request) -> bool:
     """WAITING/PREEMPTED -> RUNNING with a prefill chunk. False (no change) if it does not fit now."""
@@ -582,12 +724,16 @@ class Scheduler:
       assert bm.has_request(r.req_id) and bm.is_swapped(r.req_id), r
       assert bm.num_computed(r.req_id) == r.num_computed_tokens, r
       assert r.planned_tokens - r.num_computed_tokens == 1, r  # rotary requests are in decode phase
+      assert r._demand == self.blocks_for(r.planned_tokens), r  # prioritize() reads blk from it
       assert r.req_id not in seen, r
       seen.add(r.req_id)
       demand += r._demand
     assert seen == set(self.requests), "queues and the live set differ"
     assert demand == self._demand, (demand, self._demand)
     assert len(self.running) <= self.config.max_num_seqs
+    if self._need is not None:
+      needs = [self._need_of(r) for r in self.running.values()]
+      assert self._need == (sum(b for b, _ in needs), sum(t for _, t in needs)), (self._need, needs)
     assert bm.num_requests == len(self.running) + len(self.rotary), "block manager holds stray requests"
     for r in self.requests.values():
       assert 0 <= r.inflight_samples <= len(self._inflight) and r.num_generated < r.max_tokens, r

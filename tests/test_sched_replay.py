@@ -1,0 +1,84 @@
+"""The plan-hash check: every policy over every replay scenario (``sched/replay.py``) makes exactly the plans
+it made when ``tests/fixtures/sched_plan_hashes.json`` was recorded (block ids and tie-breaking included).
+
+A change meant to be behaviour-preserving (an optimisation) must leave the hashes alone. A deliberate change
+of what a policy decides re-records them with
+``python scripts/bench_scheduler.py --plan_hashes > tests/fixtures/sched_plan_hashes.json`` and says so.
+"""
+import dataclasses
+import json
+import os
+
+import pytest
+
+from superinfer_jax.sched import POLICIES
+from superinfer_jax.sched import replay
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "sched_plan_hashes.json")
+STEPS = 400  # scripts/bench_scheduler.py --hash_steps default, with which the fixture was recorded
+
+
+def _pinned():
+  with open(FIXTURE) as f:
+    return json.load(f)
+
+
+def test_fixture_covers_every_policy_and_scenario():
+  pinned = _pinned()
+  assert sorted(pinned) == sorted(POLICIES)
+  for p in pinned:
+    assert sorted(pinned[p]) == sorted(replay.SCENARIOS), p
+
+
+@pytest.mark.parametrize("scenario", sorted(replay.SCENARIOS))
+def test_plans_unchanged(scenario):
+  pinned = _pinned()
+  got = replay.plan_hashes(sorted(POLICIES), [scenario], STEPS)
+  assert {p: got[p][scenario] for p in got} == {p: pinned[p][scenario] for p in pinned}
+
+
+def test_hash_sees_a_changed_decision():
+  """The fingerprint is sensitive: a pool one block smaller, or a smaller B_xfer, changes the hash; and
+  one field of one plan changes its fingerprint."""
+  sc = replay.SCENARIOS["bench"]
+  base = replay.run_scenario("rotasched", sc, 60)
+  assert replay.run_scenario("rotasched", sc, 60) == base  # deterministic
+  smaller = dataclasses.replace(sc, device_blocks=sc.device_blocks - 1)
+  assert replay.run_scenario("rotasched", smaller, 60) != base
+  tighter = dataclasses.replace(sc, config={**sc.config, "proactive_swap_budget": 100})
+  assert replay.run_scenario("rotasched", tighter, 60) != base
+  rp = replay.Replay("rotasched", sc)
+  plan = rp.schedule()
+  before = replay.plan_fingerprint(plan)
+  plan.scheduled[-1].block_table[-1] += 1
+  assert replay.plan_fingerprint(plan) != before
+
+
+def test_replay_keeps_invariants():
+  for name, sc in replay.SCENARIOS.items():
+    if name != "bench_1k":
+      replay.run_scenario("rotasched", sc, 120, check_every=10)
+
+
+def test_bench_scheduler_times_both_policies_and_reports_the_ratio():
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run(
+      [sys.executable, os.path.join(root, "scripts", "bench_scheduler.py"), "--policy=rotasched",
+       "--num_requests=60", "--device_blocks=256", "--steps=12", "--warmup=3", "--repeats=2"],
+      check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root}).stdout
+  rows = [json.loads(line) for line in out.splitlines()]
+  assert [r["policy"] for r in rows[:-1]] == ["rotasched", "fcfs", "rotasched", "fcfs"]
+  assert [r["seed"] for r in rows[:-1]] == [0, 0, 1, 1]
+  summary = rows[-1]
+  assert summary["baseline"] == "fcfs" and len(summary["p99_ratios"]) == 2
+  best = {p: min(r["p99_ms"] for r in rows[:-1] if r["policy"] == p) for p in ("rotasched", "fcfs")}
+  assert summary["p99_ratio"] == round(best["rotasched"] / best["fcfs"], 3)
+  # the same seed replays the same plans (the plan hash is of the workload, not of the timing)
+  again = replay.Replay("rotasched", replay.Scenario(
+      device_blocks=256, host_blocks=8 * 256, block_size=16, num_requests=60, prompt_len=(32, 1024),
+      max_tokens=(32, 512), config=dict(max_num_seqs=256, max_num_batched_tokens=8192)), 0)
+  for _ in range(15):
+    again.complete(again.schedule())
+  assert again.hexdigest() == rows[0]["plan_hash"]
