@@ -19,6 +19,7 @@ ablation, tp; ``sim/figures.py``) with its plot, e.g. ``--figure=budget --hardwa
 docs/simulator.md.
 """
 import os
+import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,6 +41,13 @@ define_engine_flags()
 flags.DEFINE_enum("figure", None, figure_names(),
                   "rerun a named paper experiment (sim/figures.py; docs/simulator.md 'Figures') into --output_dir "
                   "(default runs/figure-<name>) with its plot; flags given explicitly override its settings")
+flags.DEFINE_bool("validate", False,
+                  "run the REAL sweep of these flags (run_experiment.py's, into <output_dir>/real), fit the step "
+                  "cost to each real run's own step times, simulate each run with its fit and with --hardware, and "
+                  "print real vs sim P50 / P99 TTFT and TBT (sim/validation.py); needs --nocalibrate")
+flags.DEFINE_bool("validate_reuse", False,
+                  "with --validate: reuse the real runs and step records already in --output_dir (redo only the "
+                  "fits and the simulations)")
 flags.DEFINE_bool("figure_timelines", False, "with --figure: also draw each run's per-request timeline (slow)")
 
 SIM_DEFAULTS = dict(model="llama-3-8b", dtype="bfloat16", num_device_blocks=0, num_host_blocks=-1,
@@ -73,6 +81,14 @@ def main(argv):
         read_sim_trace(c_spec, c_sim)               # the trace parses (TraceError names the file and line)
   except ValueError as e:   # ProfileError and ConfigError too
     sys.exit(f"simulate: {e}")
+  if FLAGS.validate:
+    if spec.calibrate:
+      sys.exit("simulate: --validate needs --nocalibrate (give --rps, --ttft_slo, --tbt_slo)")
+    from superinfer_jax.sim import validation  # pylint: disable=import-outside-toplevel
+    command = " ".join(["python scripts/simulate.py"] + [shlex.quote(a) for a in sys.argv[1:]])
+    run = validation.compare if FLAGS.validate_reuse else validation.validate
+    print(run(spec, config, sim_config, command=command).table)
+    return
   if FLAGS.figure:
     res = run_figure(FLAGS.figure, spec, config, sim_config, explicit=explicit,
                      output_dir=spec.output_dir if FLAGS["output_dir"].present else None,

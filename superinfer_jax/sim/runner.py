@@ -32,7 +32,7 @@ from superinfer_jax.metrics.results import RESULTS_SCHEMA, append_results_row, r
 from superinfer_jax.metrics.timeline import requests_filename, write_timelines
 from superinfer_jax.model.config import load_config
 from superinfer_jax.sim.config import SimConfig
-from superinfer_jax.sim.cost import ModelProfile, device_pool_blocks
+from superinfer_jax.sim.cost import Buckets, ModelProfile, device_pool_blocks
 from superinfer_jax.sim.loop import RooflineCost, derived_counters, simulate
 from superinfer_jax.sim.profiles import load_hardware_profile
 
@@ -76,7 +76,7 @@ def resolve_run(engine_config, sim_config: SimConfig, model: str) -> RunSetup:
   if changes:
     engine_config = engine_config.replace(**changes)
   cost = RooflineCost(mp, hw, spec, engine_config.rotation.transfer_mode, tensor_parallel_size=tp,
-                      fixed_step_s=sim_config.fixed_step_s)
+                      fixed_step_s=sim_config.fixed_step_s, buckets=Buckets.of(engine_config))
   return RunSetup(engine_config=engine_config, sim_config=sim_config, hardware=hw, model=mp, cost=cost)
 
 
