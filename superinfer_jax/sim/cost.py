@@ -115,11 +115,14 @@ class BatchShape:
 def batch_shape(seqs: Iterable) -> BatchShape:
   """``BatchShape`` of a step from its ``ScheduledSeq``s (anything with ``num_new_tokens`` and
   ``num_computed_tokens``)."""
+  return pairs_shape((q.num_new_tokens, q.num_computed_tokens) for q in seqs)
+
+
+def pairs_shape(seqs: Iterable[tuple[int, int]]) -> BatchShape:
+  """``BatchShape`` of a step from ``(num_new_tokens, num_computed_tokens)`` per sequence."""
   t = s = ctx = 0
   pairs = 0
-  for q in seqs:
-    n = q.num_new_tokens
-    c = q.num_computed_tokens
+  for n, c in seqs:
     t += n
     s += 1
     ctx += c + n

@@ -89,16 +89,6 @@ def recording_engines(recorder: StepRecorder):
     engine_mod.LLMEngine = base
 
 
-def _shape(seqs: Sequence[tuple[int, int]]) -> cost_lib.BatchShape:
-  t = ctx = 0
-  pairs = 0
-  for n, c in seqs:
-    t += n
-    ctx += c + n
-    pairs += n * c + n * (n + 1) // 2
-  return cost_lib.BatchShape(num_tokens=t, num_seqs=len(seqs), context_tokens=ctx, attn_pairs=float(pairs))
-
-
 def points_from_records(records: Sequence[StepRecord], *, max_gap_s: float = 0.02,
                         buckets: Optional[cost_lib.Buckets] = None) -> list[cal.StepPoint]:
   """``StepPoint``s of the back-to-back steps of one run (module docstring, step 2): step k counts if it
@@ -113,7 +103,7 @@ def points_from_records(records: Sequence[StepRecord], *, max_gap_s: float = 0.0
       continue
     tokens = sum(n for n, _ in r.seqs)
     kind = "decode" if tokens == len(r.seqs) else "mixed"
-    shape = cost_lib.padded_shape(r.seqs, buckets) if buckets is not None else _shape(r.seqs)
+    shape = cost_lib.padded_shape(r.seqs, buckets) if buckets is not None else cost_lib.pairs_shape(r.seqs)
     points.append(cal.StepPoint(kind, len(r.seqs), tokens, 0, shape, period))
   return points
 
