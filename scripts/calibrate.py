@@ -37,6 +37,9 @@ flags.DEFINE_list("naive_blocks", ["1", "4"], "blocks per direction for naive mo
                                               "empty: skip)")
 flags.DEFINE_integer("warmup", 2, "untimed steps / repeats first (compilation)")
 flags.DEFINE_integer("repeats", 5, "timed steps / repeats (the median is kept)")
+flags.DEFINE_bool("pad_to_buckets", True, "fit (and have the simulator charge) the engine's padded step shapes "
+                                         "(bucketed T, S, block-table width): on a CPU the step is compute-bound "
+                                         "even at decode, so padding sets its cost")
 flags.DEFINE_bool("precompile", True, "compile every step bucket before timing (LLMEngine.precompile_steps)")
 define_engine_flags()
 FLAGS = flags.FLAGS
@@ -104,6 +107,9 @@ def main(argv):
                                     repeats=FLAGS.repeats, naive_blocks=naive, log=log)
   name = os.path.basename(os.path.normpath(FLAGS.model)) if os.path.exists(FLAGS.model) else FLAGS.model
   mp = ModelProfile.from_model_config(engine.model_config, dtype=config.model.dtype, name=name)
+  if FLAGS.pad_to_buckets:
+    from superinfer_jax.sim.cost import Buckets  # pylint: disable=import-outside-toplevel
+    steps = cal.padded_points(steps, Buckets.of(config))
   step_fit = cal.fit_step_model(steps, mp)
   link_fit = cal.fit_link(transfers, engine.kv_spec.block_bytes)
   desc = (f"this machine running the real engine (JAX {config.model.dtype} on "
@@ -115,7 +121,8 @@ def main(argv):
   profile = cal.build_profile(name=FLAGS.name, description=desc, command=command, machine=machine,
                               step_fit=step_fit, link_fit=link_fit, model=mp,
                               block_bytes=engine.kv_spec.block_bytes, num_layers=engine.model_config.num_layers,
-                              step_points=steps, memory_gb=cal.physical_memory_gb())
+                              step_points=steps, memory_gb=cal.physical_memory_gb(),
+                              pad_to_buckets=FLAGS.pad_to_buckets)
   out_dir = os.path.dirname(os.path.abspath(FLAGS.output))
   os.makedirs(out_dir, exist_ok=True)
   cal.write_profile(FLAGS.output, profile)

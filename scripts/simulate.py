@@ -14,9 +14,12 @@ inference or Splitwise CSV (arrivals and lengths; format from the header) instea
 that differ from run_experiment.py (the paper's GPU setting, docs/paper.md §2.2 / §5): --model=llama-3-8b,
 --dtype=bfloat16, --num_device_blocks=0 (size the pool from the profile's HBM), --num_host_blocks=-1 with
 --host_gib=400, --max_num_seqs=16384 and --max_num_batched_tokens=16384. --calibrate is ignored (nothing is
-measured). See docs/simulator.md.
+measured). ``--figure NAME`` reruns a paper experiment (motivation, bandwidth, main, budget, alpha_beta,
+ablation, tp; ``sim/figures.py``) with its plot, e.g. ``--figure=budget --hardware=h200``. See
+docs/simulator.md.
 """
 import os
+import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,16 +31,29 @@ from superinfer_jax.engine.config import define_engine_flags, engine_config_from
 from superinfer_jax.experiment.runner import SweepSpec  # noqa: E402
 from superinfer_jax.sched.policies import POLICIES  # noqa: E402
 from superinfer_jax.sim.config import SimConfig  # noqa: E402
+from superinfer_jax.sim.figures import figure_names, get_figure, part_configs, run_figure  # noqa: E402
 from superinfer_jax.sim.runner import (read_sim_trace, report, resolve_run, run_sim_sweep,  # noqa: E402
                                       validate_variants)
 
 configtree.define_flags(SimConfig)   # first: --hardware is SimConfig's (SweepSpec.hardware shares it)
 configtree.define_flags(SweepSpec)
 define_engine_flags()
+flags.DEFINE_enum("figure", None, figure_names(),
+                  "rerun a named paper experiment (sim/figures.py; docs/simulator.md 'Figures') into --output_dir "
+                  "(default runs/figure-<name>) with its plot; flags given explicitly override its settings")
+flags.DEFINE_bool("validate", False,
+                  "run the REAL sweep of these flags (run_experiment.py's, into <output_dir>/real), fit the step "
+                  "cost to each real run's own step times, simulate each run with its fit and with --hardware, and "
+                  "print real vs sim P50 / P99 TTFT and TBT (sim/validation.py); needs --nocalibrate")
+flags.DEFINE_bool("validate_reuse", False,
+                  "with --validate: reuse the real runs and step records already in --output_dir (redo only the "
+                  "fits and the simulations)")
+flags.DEFINE_bool("figure_timelines", False, "with --figure: also draw each run's per-request timeline (slow)")
 
 SIM_DEFAULTS = dict(model="llama-3-8b", dtype="bfloat16", num_device_blocks=0, num_host_blocks=-1,
                     host_gib=400.0, max_num_seqs=16384, max_num_batched_tokens=16384,
                     output_dir="runs/sim")
+FLAGS = flags.FLAGS
 for _name, _value in SIM_DEFAULTS.items():
   flags.FLAGS.set_default(_name, _value)
 
@@ -52,12 +68,33 @@ def main(argv):
     unknown = [p for p in spec.policy_names if p not in POLICIES]
     if unknown:
       raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
-    validate_variants(spec, config, sim_config)
-    resolve_run(config, sim_config, spec.model)   # profiles load, the model fits the device
-    if sim_config.trace:
-      read_sim_trace(spec, sim_config)             # the trace parses (TraceError names the file and line)
+    if FLAGS.figure:
+      explicit = {name for name in FLAGS if FLAGS[name].present and name != "figure"}
+      checks = [part_configs(p, spec, config, sim_config, explicit=explicit)[:3]
+                for p in get_figure(FLAGS.figure).parts]
+    else:
+      checks = [(spec, config, sim_config)]
+    for c_spec, c_config, c_sim in checks:
+      validate_variants(c_spec, c_config, c_sim)
+      resolve_run(c_config, c_sim, c_spec.model)    # profiles load, the model fits the device
+      if c_sim.trace:
+        read_sim_trace(c_spec, c_sim)               # the trace parses (TraceError names the file and line)
   except ValueError as e:   # ProfileError and ConfigError too
     sys.exit(f"simulate: {e}")
+  if FLAGS.validate:
+    if spec.calibrate:
+      sys.exit("simulate: --validate needs --nocalibrate (give --rps, --ttft_slo, --tbt_slo)")
+    from superinfer_jax.sim import validation  # pylint: disable=import-outside-toplevel
+    command = " ".join(["python scripts/simulate.py"] + [shlex.quote(a) for a in sys.argv[1:]])
+    run = validation.compare if FLAGS.validate_reuse else validation.validate
+    print(run(spec, config, sim_config, command=command).table)
+    return
+  if FLAGS.figure:
+    res = run_figure(FLAGS.figure, spec, config, sim_config, explicit=explicit,
+                     output_dir=spec.output_dir if FLAGS["output_dir"].present else None,
+                     timelines=FLAGS.figure_timelines)
+    print(res.report)
+    return
   rows = run_sim_sweep(spec, config, sim_config)
   print(report(spec.output_dir, rows))
 

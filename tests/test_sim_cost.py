@@ -1,5 +1,6 @@
 """The simulator's cost model: step roofline (dense, MoE, TP), transfer-vs-segment curves and DuplexKV modes,
 hardware profiles. Expected values are computed by hand from the model / profile numbers."""
+import dataclasses
 import json
 import math
 
@@ -252,3 +253,39 @@ def test_model_profile_kv_bytes_match_the_kv_spec(llama):
   spec = load_config("llama-3-8b").kv_spec(16, "bfloat16")
   assert llama.kv_bytes_per_token * 16 == spec.block_bytes
   assert math.isclose(llama.total_weight_bytes(), 2 * load_config("llama-3-8b").num_params())
+
+
+def test_padded_shape_by_hand_and_matches_the_engines_buckets():
+  """The engine's buckets (model/batch.py: powers of two over the floors): T 9 -> 16, S 3 -> 8, the widest
+  block table 5 blocks -> 32; every seq attends over 32 * 16 = 512 padded keys."""
+  from superinfer_jax.model.batch import bucket
+  b = C.Buckets(block_size=16, token_floor=8, seq_floor=8, blocks_floor=32)
+  seqs = [(1, 70), (1, 20), (7, 0)]                  # 9 tokens; widest: 71 tokens = 5 blocks
+  s = C.padded_shape(seqs, b)
+  assert (s.num_tokens, s.num_seqs) == (bucket(9, 8), bucket(3, 8)) == (16, 8)
+  assert s.context_tokens + s.num_tokens == 8 * 512 and s.attn_pairs == 16 * 512
+  assert C.padded_shape([], b) == C.BatchShape()
+  assert C.padded_shape([(1, 600)], b).attn_pairs == 8 * 1024    # 38 blocks -> 64
+
+
+def test_pad_to_buckets_profile_charges_the_bucket(tmp_path):
+  """On the cpu profile (compute-bound, padded) a 9-token step costs what a 16-token one does, and about
+  1.6x an 8-token one (2x its compute; the fixed overhead aside); the same steps unpadded cost about the same as each other."""
+  from superinfer_jax.sim.loop import RooflineCost
+  cpu = P.load_hardware_profile("cpu")
+  assert cpu.pad_to_buckets and not P.load_hardware_profile("h200").pad_to_buckets
+  cfg = load_config("smollm2-135m")
+  mp = C.ModelProfile.from_model_config(cfg, dtype="float32")
+  spec = cfg.kv_spec(16, "float32", "block_first")
+  b = C.Buckets(16, 8, 8, 32)
+  cost = RooflineCost(mp, cpu, spec, "duplex", buckets=b)
+
+  def seqs(n):
+    return [ScheduledSeq(f"r{i}", 1, 40, [0, 1, 2], True) for i in range(n)]
+  t8, t9, t16 = cost.step_time(seqs(8)), cost.step_time(seqs(8) + [ScheduledSeq("x", 1, 5, [3], True)]), \
+      cost.step_time(seqs(8) + [ScheduledSeq("y", 8, 0, [4], True)])
+  assert t9 == pytest.approx(t16) and t9 > 1.5 * t8      # overhead aside, twice the work
+  flat = RooflineCost(mp, dataclasses.replace(cpu, pad_to_buckets=False), spec, "duplex")
+  assert flat.step_time(seqs(8) + [ScheduledSeq("x", 1, 5, [3], True)]) < 1.2 * flat.step_time(seqs(8))
+  with pytest.raises(ValueError, match="buckets"):
+    RooflineCost(mp, cpu, spec, "duplex")

@@ -444,10 +444,11 @@ def find_request_files(results_dir: str) -> dict[tuple[str, float, int], str]:
 
 
 def plot_results_dir(results_dir: str, out_dir: str | None = None, *,
-                     max_timeline_requests: int = 40) -> list[str]:
+                     max_timeline_requests: int = 40, timelines: bool = True) -> list[str]:
   """Writes every figure of the module docstring for ``results_dir`` into ``out_dir``; returns paths.
 
   ``out_dir`` defaults to ``results_dir``. Needs ``results.jsonl`` or at least one per-request file.
+  ``timelines=False`` skips the per-request timeline figures (seconds each: sweeps of many runs).
   """
   out_dir = out_dir or results_dir
   os.makedirs(out_dir, exist_ok=True)
@@ -484,7 +485,7 @@ def plot_results_dir(results_dir: str, out_dir: str | None = None, *,
         pooled, os.path.join(out_dir, f"latency_cdf-rps{format_rps(rps)}.png"),
         title=f"rps {format_rps(rps)}", ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo, labels=labels))
   lowest: dict[tuple[str, float], int] = {}
-  for policy, rps, rep in loaded:
+  for policy, rps, rep in (loaded if timelines else ()):
     lowest[(policy, rps)] = min(rep, lowest.get((policy, rps), rep))
   for (policy, rps), rep in sorted(lowest.items()):
     tls = loaded[(policy, rps, rep)]
@@ -498,3 +499,106 @@ def plot_results_dir(results_dir: str, out_dir: str | None = None, *,
                 "rotations (triangles)",
           max_requests=max_timeline_requests))
   return written
+
+
+# Figure metrics: (row key, axis title, scale, log axis). ``plot_figure_panels`` takes a list of these keys.
+FIGURE_METRICS = {
+    "ttft_p99_s": ("P99 TTFT (s)", 1.0, True), "tbt_p99_s": ("P99 TBT (s)", 1.0, True),
+    "ttft_p50_s": ("P50 TTFT (s)", 1.0, True), "tbt_p50_s": ("P50 TBT (s)", 1.0, True),
+    "slo_attainment": ("SLO attainment (%)", 100.0, False),
+    "ttft_attainment": ("TTFT attainment (%)", 100.0, False),
+    "tbt_attainment": ("TBT attainment (%)", 100.0, False),
+    "output_throughput_tok_s": ("output tokens/s", 1.0, False),
+    "rotations_per_step": ("rotations per step", 1.0, False),
+    "blocks_in_per_step": ("blocks in (H2D) per step", 1.0, False),
+    "exposed_transfer_share": ("exposed copy time (share of run)", 1.0, False),
+}
+
+X_LABELS = {"rps": "request rate (req/s)", "swap_bandwidth_gbps": "swap bandwidth per direction (GB/s)",
+            "proactive_swap_budget": "B_xfer (blocks per step)", "alpha": "alpha", "beta_f": "beta_F",
+            "beta_b": "beta_B", "tensor_parallel_size": "tensor-parallel GPUs"}
+
+
+def series_label(row: dict[str, Any], x_key: str) -> str:
+  """A row's line in a figure: its base policy plus the variant settings other than the x axis's."""
+  variant = {k: v for k, v in (row.get("variant") or {}).items() if k != x_key}
+  base = row.get("base_policy") or row["policy"]
+  return f"{base}[{','.join(f'{k}={v}' for k, v in variant.items())}]" if variant else base
+
+
+def plot_figure_panels(panels: Sequence[tuple[str, str, Sequence[dict[str, Any]]]], out_path: str, *,
+                       metrics: Sequence[str], title: str = "", log_x: Sequence[str] = ()) -> str:
+  """One figure of a paper experiment: a column per panel (``(panel title, x_key, rows)``), a row of axes
+  per metric (keys of ``FIGURE_METRICS``), one line per ``series_label`` with ``row[x_key]`` on the x axis
+  (rows missing x or the metric are skipped; one point per (series, x): the last row). SLOs of the latency
+  metrics dashed; x keys in ``log_x`` on a log2 axis. -> ``out_path``."""
+  unknown = [m for m in metrics if m not in FIGURE_METRICS]
+  if unknown or not metrics or not panels:
+    raise ValueError(f"plot_figure_panels: need panels and metrics from {sorted(FIGURE_METRICS)}, got "
+                     f"{len(panels)} panels, metrics {list(metrics)}")
+  plt = _plt()
+  labels = sorted({series_label(r, x_key) for _, x_key, rows in panels for r in rows})
+  colors = {lab: f"C{i % 10}" for i, lab in enumerate(labels)}
+  if len(panels) == 1:   # one panel: its metrics in a grid of up to 4 columns, each axis titled
+    ncols = min(len(metrics), 4)
+    nrows = -(-len(metrics) // ncols)
+    cells = [(0, i, divmod(i, ncols)) for i in range(len(metrics))]
+  else:                  # a column per panel, a row per metric
+    nrows, ncols = len(metrics), len(panels)
+    cells = [(j, i, (i, j)) for j in range(len(panels)) for i in range(len(metrics))]
+  fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols + 1.0, 3.0 * nrows + 0.4), squeeze=False)
+  used = set()
+  for j, i, (ri, ci) in cells:
+    panel_title, x_key, rows = panels[j]
+    key = metrics[i]
+    name, scale, log_y = FIGURE_METRICS[key]
+    ax = axes[ri][ci]
+    used.add((ri, ci))
+    points: dict[str, dict[float, float]] = {}
+    for r in rows:
+      x, y = _num_value(r.get(x_key)), _num_value(r.get(key))
+      if x is not None and y is not None:
+        points.setdefault(series_label(r, x_key), {})[x] = scale * y
+    for lab, pts in sorted(points.items()):
+      xs = sorted(pts)
+      ax.plot(xs, [pts[x] for x in xs], marker="o", label=lab, color=colors[lab])
+    slo_key = {"ttft_p99_s": "ttft_slo_s", "ttft_p50_s": "ttft_slo_s", "tbt_p99_s": "tbt_slo_s",
+               "tbt_p50_s": "tbt_slo_s"}.get(key)
+    for slo in sorted({r[slo_key] for r in rows if slo_key and r.get(slo_key)}):
+      ax.axhline(slo, color="k", ls="--", lw=0.8)
+    if log_y and any(v > 0 for pts in points.values() for v in pts.values()):
+      ax.set_yscale("log")
+      ax.yaxis.set_major_formatter(_plain_formatter())
+      ax.yaxis.set_minor_formatter(_plain_formatter(minor=True))
+    if x_key in log_x:
+      ax.set_xscale("log", base=2)
+      ax.xaxis.set_major_formatter(_plain_formatter())
+    if len(panels) == 1:
+      ax.set_title(name, fontsize=9)
+    else:
+      if ri == 0:
+        ax.set_title(panel_title, fontsize=10)
+      if ci == 0:
+        ax.set_ylabel(name, fontsize=9)
+    if len(panels) == 1 or ri == nrows - 1:
+      ax.set_xlabel(X_LABELS.get(x_key, x_key), fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    if (ri, ci) == (0, 0) and points:
+      ax.legend(fontsize=7)
+  for ri in range(nrows):
+    for ci in range(ncols):
+      if (ri, ci) not in used:
+        axes[ri][ci].set_visible(False)
+  _slo_note(fig, [r for _, _, rows in panels for r in rows], prefix=title)
+  return _save(fig, plt, out_path, rect=(0, 0, 1, 0.96) if title else None)
+
+
+def _plain_formatter(minor: bool = False):
+  """Plain-number tick labels (``minor``: only at 2x and 5x a power of ten, so log axes stay legible)."""
+  from matplotlib.ticker import FuncFormatter
+
+  def fmt(v, _):
+    if minor and not any(abs(v / 10 ** math.floor(math.log10(v)) - m) < 1e-6 for m in (2, 5)):
+      return ""
+    return f"{v:g}"
+  return FuncFormatter(fmt)

@@ -3,7 +3,9 @@ for the model step (``cost.py``: a roofline from the model and hardware profiles
 (``transfer.py``: bandwidth by segment size, DuplexKV's naive / merged / duplex modes). ``loop.py`` is the
 event loop, ``runner.py`` the sweep behind ``scripts/simulate.py``; profiles live in ``configs/hardware/``
 (``profiles.py``); ``calibration.py`` measures this machine's real engine and fits a profile
-(``scripts/calibrate.py``). See docs/simulator.md. No JAX anywhere in this package, except inside
+(``scripts/calibrate.py``); ``figures.py`` holds the paper's experiments (``simulate.py --figure``) and
+``validation.py`` the same-session comparison with the real engine (``simulate.py --validate``). See
+docs/simulator.md. No JAX anywhere in this package, except inside
 ``calibration``'s measuring functions (imported there, on call; the package does not import ``calibration``).
 """
 from superinfer_jax.sim.config import SimConfig

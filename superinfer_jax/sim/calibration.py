@@ -79,6 +79,16 @@ def prefill_shape(tokens: int) -> cost_lib.BatchShape:
                              attn_pairs=float(tokens * (tokens + 1) // 2))
 
 
+def padded_points(points: Sequence[StepPoint], buckets: cost_lib.Buckets) -> list[StepPoint]:
+  """The points with the shapes the engine really ran (``cost.padded_shape``): what a ``pad_to_buckets``
+  profile is fitted on. A decode point is ``batch`` seqs of one token on ``context``; a prefill one seq."""
+  out = []
+  for p in points:
+    seqs = [(1, p.context)] * p.batch if p.kind == "decode" else [(p.tokens, p.context)]
+    out.append(dataclasses.replace(p, shape=cost_lib.padded_shape(seqs, buckets)))
+  return out
+
+
 def _median(xs: Sequence[float]) -> float:
   return float(statistics.median(xs))
 
@@ -376,7 +386,7 @@ def fit_link(points: Sequence[TransferPoint], block_bytes: int) -> LinkFit:
 def build_profile(*, name: str, description: str, command: str, date: Optional[str] = None,
                   machine: dict[str, float], step_fit: StepFit, link_fit: LinkFit, model: cost_lib.ModelProfile,
                   block_bytes: int, num_layers: int, step_points: Sequence[StepPoint],
-                  memory_gb: float) -> dict[str, Any]:
+                  memory_gb: float, pad_to_buckets: bool = False) -> dict[str, Any]:
   """The profile JSON (``configs/hardware/*.json`` format) of a calibration; every number sourced with the
   exact command and date. Validated with ``profiles.profile_from_dict`` before it is returned."""
   date = date or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -418,6 +428,9 @@ def build_profile(*, name: str, description: str, command: str, date: Optional[s
           f"{src}: no tensor parallelism on this machine; set to the measured copy launch cost")},
       "host_memory_gb": {"value": round(memory_gb, 3), "source": (
           f"{src}: physical memory (os.sysconf); device and host pools share it")},
+      "pad_to_buckets": {"value": bool(pad_to_buckets), "source": (
+          f"{src}: the step fit is on the engine's padded shapes (T, S, block-table width bucketed)"
+          if pad_to_buckets else f"{src}: the step fit is on the batches as formed (no padding)")},
       "copies_overlap_compute": {"value": False, "source": (
           f"{src}: on the CPU backend a KV copy is a memcpy on the same cores as the model step, so the "
           f"simulator does not hide copies behind the step in flight")},

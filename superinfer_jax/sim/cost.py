@@ -30,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable
 
+from superinfer_jax.util import next_power_of_2
+
 GB = 1e9
 TFLOP = 1e12
 
@@ -113,16 +115,52 @@ class BatchShape:
 def batch_shape(seqs: Iterable) -> BatchShape:
   """``BatchShape`` of a step from its ``ScheduledSeq``s (anything with ``num_new_tokens`` and
   ``num_computed_tokens``)."""
+  return pairs_shape((q.num_new_tokens, q.num_computed_tokens) for q in seqs)
+
+
+def pairs_shape(seqs: Iterable[tuple[int, int]]) -> BatchShape:
+  """``BatchShape`` of a step from ``(num_new_tokens, num_computed_tokens)`` per sequence."""
   t = s = ctx = 0
   pairs = 0
-  for q in seqs:
-    n = q.num_new_tokens
-    c = q.num_computed_tokens
+  for n, c in seqs:
     t += n
     s += 1
     ctx += c + n
     pairs += n * c + n * (n + 1) // 2
   return BatchShape(num_tokens=t, num_seqs=s, context_tokens=ctx, attn_pairs=float(pairs))
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+  """The engine's shape buckets (``EngineConfig``: block size and the floors of T, S and the block-table
+  width; ``model/batch.py`` rounds each up to a power of two over its floor)."""
+  block_size: int
+  token_floor: int
+  seq_floor: int
+  blocks_floor: int
+
+  @classmethod
+  def of(cls, engine_config) -> "Buckets":
+    return cls(engine_config.block_size, engine_config.token_bucket_floor, engine_config.seq_bucket_floor,
+               engine_config.blocks_bucket_floor)
+
+
+def padded_shape(seqs: Iterable[tuple[int, int]], buckets: Buckets) -> BatchShape:
+  """``BatchShape`` of the padded step the engine runs for ``seqs`` = ``(num_new, num_computed)`` pairs:
+  ``T_b`` tokens and ``S_b`` sequences, each sequence attending over the whole ``MB_b * block_size`` of its
+  padded block table (KV read ``S_b * MB_b * block_size`` tokens, ``T_b * MB_b * block_size`` pairs)."""
+  t = s = mb = 0
+  bs = buckets.block_size
+  for n, c in seqs:
+    t += n
+    s += 1
+    mb = max(mb, -(-(c + n) // bs))
+  if s == 0:
+    return BatchShape()
+  tb = next_power_of_2(max(t, buckets.token_floor, 1))
+  sb = next_power_of_2(max(s, buckets.seq_floor, 1))
+  kv = next_power_of_2(max(mb, buckets.blocks_floor, 1)) * bs
+  return BatchShape(num_tokens=tb, num_seqs=sb, context_tokens=max(sb * kv - tb, 0), attn_pairs=float(tb * kv))
 
 
 def expected_experts(num_experts: int, experts_per_token: int, num_tokens: int) -> float:

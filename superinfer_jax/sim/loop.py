@@ -47,11 +47,14 @@ class RooflineCost:
     model: ``cost.ModelProfile``; hw: ``profiles.HardwareProfile`` (already with any bandwidth override);
     kv_spec: the KV layout the copies move (``KVCacheSpec``, dtype and layout included);
     transfer_mode: naive | merged | duplex; tensor_parallel_size: TP degree;
-    fixed_step_s: > 0 replaces the roofline by a constant step time (transfers still modelled).
+    fixed_step_s: > 0 replaces the roofline by a constant step time (transfers still modelled);
+    buckets: the engine's shape buckets (``cost.Buckets.of(engine_config)``), charged instead of the real
+      batch when the profile says ``pad_to_buckets`` (required then).
   """
 
   def __init__(self, model: cost_lib.ModelProfile, hw, kv_spec: KVCacheSpec, transfer_mode: str, *,
-               tensor_parallel_size: int = 1, fixed_step_s: float = 0.0):
+               tensor_parallel_size: int = 1, fixed_step_s: float = 0.0,
+               buckets: Optional[cost_lib.Buckets] = None):
     if transfer_mode not in transfer_lib.MODES:
       raise ValueError(f"unknown transfer mode {transfer_mode!r}; known: {transfer_lib.MODES}")
     self.model = model
@@ -63,11 +66,19 @@ class RooflineCost:
     self.empty_step_s = hw.step_overhead_s if hw.step_overhead_s > 0 else 1e-4
     self.copies_overlap_compute = hw.copies_overlap_compute
     self.block_bytes = kv_spec.block_bytes
+    if hw.pad_to_buckets and buckets is None:
+      raise ValueError(f"hardware profile {hw.name!r} charges padded shapes (pad_to_buckets): pass the engine's "
+                       "buckets")
+    self.buckets = buckets if hw.pad_to_buckets else None
 
   def step_time(self, seqs: Sequence) -> float:
     if self.fixed_step_s > 0:
       return self.fixed_step_s
-    return cost_lib.step_time(cost_lib.batch_shape(seqs), self.model, self.hw, self.tensor_parallel_size)
+    if self.buckets is not None:
+      shape = cost_lib.padded_shape(((s.num_new_tokens, s.num_computed_tokens) for s in seqs), self.buckets)
+    else:
+      shape = cost_lib.batch_shape(seqs)
+    return cost_lib.step_time(shape, self.model, self.hw, self.tensor_parallel_size)
 
   def transfer_time(self, blocks_out: int, blocks_in: int) -> float:
     return transfer_lib.transfer_time(blocks_out, blocks_in, self.kv_spec, self.hw.link, self.transfer_mode)

@@ -89,6 +89,11 @@ class HardwareProfile:
   # (CPU: a memcpy competes with the matmuls): with False the simulator starts a plan's copies only when the
   # step in flight has finished.
   copies_overlap_compute: bool = True
+  # Whether a step costs the engine's padded shape bucket (T, S and the block-table width rounded up to powers
+  # of two over the engine's floors) rather than the batch it really formed. The JAX engine on a CPU is
+  # compute-bound even at decode, so a 9-token step costs what a 16-token one does (measured: about 2x an
+  # 8-token step); a GPU profile models an unpadded ragged kernel, as the paper's vLLM runs.
+  pad_to_buckets: bool = False
   sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False, hash=False)
   path: str = dataclasses.field(default="", compare=False)
 
@@ -107,6 +112,7 @@ _TOP_NUMBERS = {  # field -> (lower bound, lower bound inclusive?, upper bound o
     "tp_bandwidth_gbps": (0.0, False, None), "tp_latency_s": (0.0, True, None),
 }
 _OPTIONAL_NUMBERS = {"host_memory_gb": (0.0, False, None)}
+_FLAGS = ("copies_overlap_compute", "pad_to_buckets")   # optional sourced booleans
 _LINK_NUMBERS = {"duplex_cap_gbps": (0.0, False, None), "launch_overhead_s": (0.0, True, None)}
 _LINK_CURVES = ("d2h_gbps_by_segment", "h2d_gbps_by_segment")
 
@@ -145,7 +151,7 @@ def profile_from_dict(d: Mapping[str, Any], path: str = "<dict>") -> HardwarePro
   where = f"hardware profile {path}"
   if not isinstance(d, Mapping):
     raise ProfileError(f"{where}: not a JSON object")
-  known = {"name", "description", "link", "copies_overlap_compute"} | set(_TOP_NUMBERS) | set(_OPTIONAL_NUMBERS)
+  known = {"name", "description", "link"} | set(_FLAGS) | set(_TOP_NUMBERS) | set(_OPTIONAL_NUMBERS)
   unknown = sorted(set(d) - known)
   if unknown:
     raise ProfileError(f"{where}: unknown field(s) {unknown}; known: {sorted(known)}")
@@ -164,11 +170,12 @@ def profile_from_dict(d: Mapping[str, Any], path: str = "<dict>") -> HardwarePro
     values[key] = _sourced_number(d[key], key, bounds, where, sources)
   for key, bounds in _OPTIONAL_NUMBERS.items():
     values[key] = _sourced_number(d[key], key, bounds, where, sources) if key in d else None
-  if "copies_overlap_compute" in d:
-    e = _sourced(d["copies_overlap_compute"], "copies_overlap_compute", where, sources)
-    if set(e) - {"value", "source"} or not isinstance(e.get("value"), bool):
-      raise ProfileError(f"{where}: copies_overlap_compute must be {{'value': true|false, 'source': ...}}")
-    values["copies_overlap_compute"] = e["value"]
+  for key in _FLAGS:
+    if key in d:
+      e = _sourced(d[key], key, where, sources)
+      if set(e) - {"value", "source"} or not isinstance(e.get("value"), bool):
+        raise ProfileError(f"{where}: {key} must be {{'value': true|false, 'source': ...}}")
+      values[key] = e["value"]
   link = d["link"]
   if not isinstance(link, Mapping):
     raise ProfileError(f"{where}: link must be an object")

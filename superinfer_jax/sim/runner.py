@@ -32,7 +32,7 @@ from superinfer_jax.metrics.results import RESULTS_SCHEMA, append_results_row, r
 from superinfer_jax.metrics.timeline import requests_filename, write_timelines
 from superinfer_jax.model.config import load_config
 from superinfer_jax.sim.config import SimConfig
-from superinfer_jax.sim.cost import ModelProfile, device_pool_blocks
+from superinfer_jax.sim.cost import Buckets, ModelProfile, device_pool_blocks
 from superinfer_jax.sim.loop import RooflineCost, derived_counters, simulate
 from superinfer_jax.sim.profiles import load_hardware_profile
 
@@ -76,7 +76,7 @@ def resolve_run(engine_config, sim_config: SimConfig, model: str) -> RunSetup:
   if changes:
     engine_config = engine_config.replace(**changes)
   cost = RooflineCost(mp, hw, spec, engine_config.rotation.transfer_mode, tensor_parallel_size=tp,
-                      fixed_step_s=sim_config.fixed_step_s)
+                      fixed_step_s=sim_config.fixed_step_s, buckets=Buckets.of(engine_config))
   return RunSetup(engine_config=engine_config, sim_config=sim_config, hardware=hw, model=mp, cost=cost)
 
 
@@ -104,21 +104,51 @@ def read_sim_trace(spec: SweepSpec, sim_config: SimConfig, max_total_len: Option
                     max_total_len=max_total_len, token_ids=False, seed=spec.seed)
 
 
+class CountingTokenizer:
+  """A tokenizer's ``encode`` memoised by text (the simulator only counts tokens: every ``--rps`` value and
+  every figure part re-reads the same prompts, and encoding them is most of a sweep's set-up time)."""
+
+  def __init__(self, tokenizer):
+    self.tokenizer = tokenizer
+    self._ids: dict[str, list[int]] = {}
+
+  def encode(self, text: str) -> list[int]:
+    ids = self._ids.get(text)
+    if ids is None:
+      from superinfer_jax.model.tokenizer import encode_text  # pylint: disable=import-outside-toplevel
+      ids = self._ids[text] = encode_text(self.tokenizer, text)
+    return list(ids)
+
+  def decode(self, ids, **kwargs) -> str:
+    return self.tokenizer.decode(ids, **kwargs)
+
+
+_TOKENIZERS: dict[str, tuple[CountingTokenizer, bool]] = {}   # model -> (tokenizer, is the stand-in)
+
+
 def _tokenizer(spec: SweepSpec, log):
+  """The (memoised, process-wide) token counter of ``spec.model``, or the stand-in's when it has none."""
   if spec.dataset == "synthetic":
     return None
-  from superinfer_jax.model.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
-  try:
-    return load_tokenizer(spec.model)
-  except (FileNotFoundError, OSError, ValueError):
+  if spec.model not in _TOKENIZERS:
+    from superinfer_jax.model.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+    try:
+      _TOKENIZERS[spec.model] = (CountingTokenizer(load_tokenizer(spec.model)), False)
+    except (FileNotFoundError, OSError, ValueError):
+      if STANDIN_TOKENIZER not in _TOKENIZERS:
+        _TOKENIZERS[STANDIN_TOKENIZER] = (CountingTokenizer(load_tokenizer(STANDIN_TOKENIZER)), False)
+      _TOKENIZERS[spec.model] = (_TOKENIZERS[STANDIN_TOKENIZER][0], True)
+  tok, standin = _TOKENIZERS[spec.model]
+  if standin:
     log(f"[sim] no tokenizer for {spec.model!r}: token counts come from {STANDIN_TOKENIZER}'s tokenizer "
         f"(a stand-in; see docs/simulator.md)")
-    return load_tokenizer(STANDIN_TOKENIZER)
+  return tok
 
 
-def run_sim_sweep(spec: SweepSpec, engine_config, sim_config: SimConfig, *,
-                  log=print) -> list[dict[str, Any]]:
-  """Simulates every (policy, variant, rps) of ``spec``; returns the rows (also in ``results.jsonl``)."""
+def run_sim_sweep(spec: SweepSpec, engine_config, sim_config: SimConfig, *, log=print,
+                  row_tags: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
+  """Simulates every (policy, variant, rps) of ``spec``; returns the rows (also in ``results.jsonl``).
+  ``row_tags`` are added to every row (``figures`` names the figure and its part)."""
   variants = spec.variants
   validate_variants(spec, engine_config, sim_config)   # fail before any work on a bad --vary
   if spec.calibrate:
@@ -175,6 +205,7 @@ def run_sim_sweep(spec: SweepSpec, engine_config, sim_config: SimConfig, *,
         res = simulate(requests, setup.engine_config, setup.cost, progress=spec.progress,
                        desc=f"{label} @ {rps:.3g} rps", time_limit_s=spec.time_limit_s)
         row = _row(spec, setup, res, label, policy, variant, rps, run_index)
+        row.update(row_tags or {})
         append_results_row(results_path, row)
         write_timelines(os.path.join(spec.output_dir, requests_filename(label, rps)), res.timelines)
         rows.append(row)
@@ -201,6 +232,7 @@ def _row(spec: SweepSpec, setup: RunSetup, res, label: str, policy: str, variant
       "contended_steps": c["contended_steps"], "dropped_seqs": c["dropped_seqs"],
       "transfer_s": c["transfer_s"], "exposed_transfer_s": c["exposed_transfer_s"],
       "exposed_transfer_share": c["exposed_transfer_s"] / res.duration_s,
+      "exposed_transfer_per_step_s": c["exposed_transfer_s"] / max(c["model_steps"], 1),
       "step_time_p50_s": steps[len(steps) // 2] if steps else None,
       "step_time_p90_s": steps[int(0.9 * (len(steps) - 1))] if steps else None,
       "num_rejected": len(res.rejected), "timed_out": res.timed_out, "sim_wall_s": res.wall_s,

@@ -1,0 +1,112 @@
+"""``--figure NAME`` (sim/figures.py): every paper experiment runs on a tiny configuration and writes its rows,
+per-part results directories and its figure; explicit settings win over the figure's; the script's flag."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from superinfer_jax.engine.config import EngineConfig
+from superinfer_jax.experiment.runner import SweepSpec
+from superinfer_jax.metrics.results import read_results, validate_results_row
+from superinfer_jax.sim.config import SimConfig
+from superinfer_jax.sim.figures import COMMON, FIGURES, get_figure, part_configs, run_figure
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# What a user would override for a quick look: a small synthetic workload on small pools (the pools make the
+# tiny load contended, so rotations happen).
+TINY = dict(dataset="synthetic", num_requests=10, synthetic_prompt_len="uniform:64,200",
+            synthetic_output_len="uniform:16,48", progress=False)
+TINY_ENGINE = dict(num_device_blocks=40, num_host_blocks=400, max_num_seqs=16, max_num_batched_tokens=512)
+PER_STEP = ("rotations_per_step", "blocks_out_per_step", "blocks_writeback_per_step", "blocks_in_per_step",
+            "bytes_out_per_step", "bytes_in_per_step", "exposed_transfer_s", "exposed_transfer_per_step_s",
+            "exposed_transfer_share")
+
+
+def _base():
+  spec = SweepSpec(**TINY)
+  engine = EngineConfig().replace(dtype="bfloat16", **TINY_ENGINE)
+  return spec, engine, SimConfig(), set(TINY) | set(TINY_ENGINE)
+
+
+def _expected_rows(part) -> int:
+  spec, engine, sim, explicit = _base()
+  p_spec, _, _, _ = part_configs(part, spec, engine, sim, explicit=explicit)
+  return len(p_spec.policy_names) * len(p_spec.variants) * len(p_spec.rps_values)
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_every_figure_runs_tiny(name, tmp_path):
+  spec, engine, sim, explicit = _base()
+  out = str(tmp_path / name)
+  res = run_figure(name, spec, engine, sim, explicit=explicit, output_dir=out, log=lambda *_: None)
+  fig = get_figure(name)
+  assert os.path.isfile(res.plot) and res.plot == os.path.join(out, f"figure-{name}.png")
+  assert os.path.getsize(res.plot) > 10_000
+  meta = json.load(open(os.path.join(out, "figure.json")))
+  assert meta["figure"] == name and [p["name"] for p in meta["parts"]] == [p.name for p in fig.parts]
+  for part in fig.parts:
+    part_dir = out if len(fig.parts) == 1 else os.path.join(out, part.name)
+    rows = read_results(os.path.join(part_dir, "results.jsonl"))
+    assert len(rows) == len(res.rows[part.name]) == _expected_rows(part)
+    want_model = part.settings.get("model", COMMON["model"])
+    for r in rows:
+      validate_results_row(r)
+      assert r["engine"] == "sim" and r["figure"] == name and r["figure_part"] == part.name
+      assert r["hardware"] == "gh200" and r["model"] == want_model      # the figure's settings ...
+      assert r["num_requests"] == 10 and r["num_device_blocks"] == 40    # ... under the explicit ones
+      assert r["ttft_slo_s"] == 5.0 and r["tbt_slo_s"] == 0.1
+      for k in PER_STEP:
+        assert r[k] is not None and r[k] >= 0, k
+      assert r[part.x_key] is not None, part.x_key
+    if part.x_key != "rps":   # the swept setting is what each row reports
+      values = part.settings["vary"].split(":", 1)[1].split(",")
+      assert sorted({float(r[part.x_key]) for r in rows}) == sorted(float(v) for v in values)
+    assert any(f.endswith(".png") for f in os.listdir(part_dir))
+
+
+def test_figure_settings_reach_the_runs(tmp_path):
+  """The ablation's variants change what the runs did: naive copies expose more copy time than duplex at
+  the same budget, and a budget of 300 allows fewer blocks in per step than 2400 on the same load."""
+  spec, engine, sim, explicit = _base()
+  spec = dataclasses.replace(spec, num_requests=24)
+  res = run_figure("ablation", spec, engine, sim, explicit=explicit, output_dir=str(tmp_path / "abl"),
+                   log=lambda *_: None)
+  rota = {(r["transfer_mode"], r["proactive_swap_budget"], r["rps"]): r for r in res.rows["rotasched"]}
+  assert all(r["num_rotations"] == 0 for r in res.rows["fcfs"])
+  assert any(r["num_rotations"] > 0 for r in rota.values())
+  for rps in (10.0, 15.0, 20.0):
+    naive, duplex = rota[("naive", 2400, rps)], rota[("duplex", 2400, rps)]
+    if duplex["blocks_in"] > 0:
+      assert naive["transfer_s"] > duplex["transfer_s"]
+  assert max(r["blocks_in_per_step"] for k, r in rota.items() if k[1] == 300) <= 300
+
+
+def test_part_configs_explicit_wins_and_unknown_fails():
+  spec, engine, sim, _ = _base()
+  part = get_figure("main").parts[0]
+  p_spec, p_eng, p_sim, settings = part_configs(part, spec, engine, sim, explicit={"rps", "hardware"})
+  assert p_spec.model == "llama-3-8b" and p_spec.rps == spec.rps and p_sim.hardware == sim.hardware
+  assert "rps" not in settings and p_eng.scheduler.proactive_swap_budget == 2400
+  p_spec, _, p_sim, _ = part_configs(part, spec, engine, sim)
+  assert p_spec.rps == "35,40,45,50,55,60" and p_sim.hardware == "gh200"
+  with pytest.raises(ValueError, match="unknown figure"):
+    get_figure("fig99")
+
+
+def test_simulate_script_figure_flag(tmp_path):
+  out = tmp_path / "fig"
+  args = [sys.executable, os.path.join(ROOT, "scripts", "simulate.py"), "--figure=budget", "--dataset=synthetic",
+          "--num_requests=8", "--num_device_blocks=40", "--num_host_blocks=400", "--max_num_batched_tokens=512",
+          "--hardware=h200", "--noprogress", f"--output_dir={out}"]
+  proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "figure-budget.png" in proc.stdout and (out / "figure-budget.png").is_file()
+  rows = read_results(str(out / "results.jsonl"))
+  assert len(rows) == 5 and {r["hardware"] for r in rows} == {"h200"}          # --hardware given: it wins
+  bad = subprocess.run(args[:2] + ["--figure=nope"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+  assert bad.returncode != 0 and "figure" in bad.stderr
