@@ -58,10 +58,12 @@ class EngineConfig:
   host_gib: float = knob(4.0, "host pool size in GiB when --num_host_blocks is unset")
   block_size: int = knob(16, "tokens per KV block")
   pipeline: bool = knob(True, "overlap planning + transfers of step k+1 with step k")
+  zero_bubble: bool = knob(True, "with --pipeline: dispatch step k+1 before reading step k's ids, feeding "
+                                 "the tokens k samples to k+1 on device (false: read k's ids, then dispatch)")
   seed: int = knob(0, "seed of requests that give none", flag="engine_seed")
   # Shape-bucket floors of the ragged batch (tokens T, sequences S = logit rows R, block-table width MB);
   # each is rounded up to a power of two. Raising them trades padding compute for fewer compilations.
-  token_bucket_floor: int = knob(8, "smallest token bucket of a step")
+  token_bucket_floor: int = knob(1, "smallest token bucket of a step")
   seq_bucket_floor: int = knob(1, "smallest sequence bucket of a step")
   blocks_bucket_floor: int = knob(4, "smallest block-table width bucket of a step")
   scheduler: SchedulerConfig = subtree(SchedulerConfig)
