@@ -98,6 +98,14 @@ def _eos_token_ids(cfg, tokenizer) -> set[int]:
   return ids
 
 
+def _unstack_layers(params):
+  """``params`` with ``layers`` as a list of per-layer dicts: ``forward`` then unrolls the layer loop and
+  each matmul reads its weight where it lies (``EngineConfig.layer_loop``)."""
+  layers = params["layers"]
+  n = jax.tree.leaves(layers)[0].shape[0]
+  return dict(params, layers=[jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n)])
+
+
 class RequestError(ValueError):
   """A request was rejected at ``add_request`` (empty / too long prompt, can never fit, bad params)."""
 
@@ -273,7 +281,10 @@ class LLMEngine:
       cfg, params = load_model(model, dtype=config.model.dtype)
       tok = _tokenizer_or_none(model) if tokenizer is None else None
     self.model_config = cfg
-    self.params = params
+    self.layer_loop = config.layer_loop
+    if self.layer_loop == "auto":
+      self.layer_loop = "unrolled" if jax.default_backend() == "cpu" else "scan"
+    self.params = _unstack_layers(params) if self.layer_loop == "unrolled" else params
     self.tokenizer = tokenizer if tokenizer is not None else tok
     self.eos_token_ids = frozenset(_eos_token_ids(cfg, self.tokenizer))
     self.max_model_len = min(config.model.max_model_len or cfg.max_position_embeddings,
