@@ -5,7 +5,8 @@ For each batch size B: B requests with the same prompt length run greedily for -
 and the pipelined loop it replaces, side by side) and once with transformers. Reported per (impl, B):
   * engine: decode tokens/s (steps after every request has its first token), mean decode-step ms, total
     tokens/s (prefill included), host share of step time, host ms per step by phase (schedule, issue,
-    dispatch, process, exposed_host), and the device's idle time per decode step, measured from real
+    dispatch, process, exposed_host: wall time; dispatch_cpu: the host thread's CPU time in dispatch, which
+    on a CPU backend excludes waiting for a core the device's compute threads hold), and the device's idle time per decode step, measured from real
     timestamps by ``engine/idle_probe.py``: idle_k = max(0, [step k+1's dispatch returned] - [step k's
     outputs became ready, seen by a watcher thread blocked in block_until_ready, or the host's own read of
     k's ids, whichever is earlier]). Its error is one-sided (a late "ready" hides idle time); the watcher's
@@ -106,7 +107,8 @@ def bench_engine(engine, batch, prompt_len, max_tokens, warm_up=True):
           "idle_pairs": len(idle), "probe_wakeup_ms": wakeup_ms,
           "host_time_share": st.host_time_share, "exposed_host_share": st.exposed_host_share,
           "host_ms_per_step": {k: 1e3 * getattr(st, f"{k}_time_s") / max(st.steps, 1)
-                               for k in ("schedule", "issue", "dispatch", "process", "exposed_host")},
+                               for k in ("schedule", "issue", "dispatch", "dispatch_cpu", "process",
+                                         "exposed_host")},
           "batch_rebuild_share": st.batch_rebuilds / max(st.model_steps, 1),
           "discarded_tokens": st.discarded_tokens,
           "pipeline": c.pipeline, "policy": c.scheduler.policy, "attention": c.model.attention,

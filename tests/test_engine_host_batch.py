@@ -53,7 +53,22 @@ def test_returned_buffer_is_a_copy():
   assert np.array_equal(first, kept)       # a step in flight may still read (alias) the first buffer
 
 
-@pytest.mark.parametrize("change", ["new_row", "fresh", "order", "prefill", "bucket", "not_sampling"])
+@pytest.mark.parametrize("change", ["fresh", "order", "replaced"])
+def test_rows_that_change_request_are_rewritten_in_place(change):
+  hb = _hb()
+  hb.build([_decode("a", 5, [3, 9]), _decode("b", 6, [4, 8], seed=5)])
+  nxt = [_decode("a", 6, [3, 9]), _decode("b", 7, [4, 8], seed=5)]
+  if change == "fresh":
+    nxt[1] = _decode("b", 7, [10, 11], fresh=True, seed=5)    # rotated back in: new blocks, same length
+  elif change == "order":
+    nxt = nxt[::-1]
+  elif change == "replaced":
+    nxt[0] = _decode("c", 4, [12, 13], feed_row=1, seed=9)
+  hb.build(nxt)                 # verify: equal to a full rebuild
+  assert hb.rebuilds == 1 and hb.builds == 2
+
+
+@pytest.mark.parametrize("change", ["new_row", "prefill", "bucket", "not_sampling"])
 def test_plan_changes_rebuild(change):
   hb = _hb()
   base = [_decode("a", 5, [3, 9]), _decode("b", 6, [4, 8])]
@@ -61,10 +76,6 @@ def test_plan_changes_rebuild(change):
   nxt = [_decode("a", 6, [3, 9]), _decode("b", 7, [4, 8])]
   if change == "new_row":
     nxt.append(_decode("c", 5, [1, 2]))
-  elif change == "fresh":
-    nxt[1] = _decode("b", 7, [10, 11], fresh=True)    # rotated back in: new blocks, same length
-  elif change == "order":
-    nxt = nxt[::-1]
   elif change == "prefill":
     nxt[0] = SeqInput("a", [1, 2], 6, [3, 9], -1, False, (0.5, 3, 0.9, 11), 1)
   elif change == "bucket":

@@ -140,6 +140,9 @@ class EngineStats:
   issue_time_s: float = 0.0
   dispatch_time_s: float = 0.0
   process_time_s: float = 0.0
+  # CPU time of the host thread in dispatch: on a CPU backend the device's compute threads share the cores,
+  # so dispatch's wall time includes waiting for a core; this is the host's own work.
+  dispatch_cpu_time_s: float = 0.0
   # Host time the device sits idle for in the loop: from reading step k's ids to dispatching step k+1
   # (pipelined: process + dispatch; the plan and transfers of k+1 are hidden behind step k; zero-bubble:
   # none, k+1 is dispatched before k's ids are read).
@@ -583,7 +586,7 @@ class LLMEngine:
     ``prev``: the step in flight whose ids the host has not read (zero-bubble loop). A request it samples
     has one more token than the host knows; that token is fed from ``prev.tokens`` on device.
     """
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     pending = prev.rows if prev is not None else {}
     fresh = set(plan.rotated_in) | set(plan.admitted) if (plan.rotated_in or plan.admitted) else ()
     seqs: list[SeqInput] = []
@@ -615,6 +618,7 @@ class LLMEngine:
           len(r.output_token_ids) + (rid in pending)))
     if not seqs:
       return None
+    rebuilds = self._host_batch.rebuilds
     packed, dims = self._host_batch.build(seqs)
     R = dims[3]
     if R > self.out_rows:
@@ -630,10 +634,11 @@ class LLMEngine:
     tokens.copy_to_host_async()
     st = self.stats
     st.model_steps += 1
-    st.batch_rebuilds = self._host_batch.rebuilds
+    st.batch_rebuilds += self._host_batch.rebuilds - rebuilds
     st.tokens_scheduled += sum(len(q.tokens) + (q.feed_row >= 0) for q in seqs)
     rows = {q.key: i for i, q in enumerate(seqs) if q.sampling is not None}  # logits row i = sequence i
     st.dispatch_time_s += time.perf_counter() - t0
+    st.dispatch_cpu_time_s += time.thread_time() - c0
     return _InFlight(plan=plan, tokens=tokens, rows=rows, scheduled=[q.key for q in seqs],
                      probe_step=probe_step)
 

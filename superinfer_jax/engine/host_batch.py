@@ -11,7 +11,8 @@ and ``packing.pack``, the one definition of the layout.
 
 Invariants of the fast path (checked against a full rebuild when ``verify`` is set; tests do):
   * a sequence that is not ``fresh`` keeps its block table except for blocks appended at the end;
-  * its sampling parameters (temperature, top-k, top-p, seed) are fixed per request id.
+  * its sampling parameters (temperature, top-k, top-p, seed) are fixed per request id;
+  * a decode-only batch has token i = sequence i = logits row i (query starts and logits rows unchanged).
 
 ``build`` returns a copy of the buffer: on CPU ``jax.device_put`` aliases an aligned numpy array (zero
 copy), so the persistent buffer must never be the one a step in flight reads.
@@ -108,29 +109,37 @@ class HostBatch:
     self._decode_only = all(len(s.tokens) + (s.feed_row >= 0) == 1 and s.sampling is not None for s in seqs)
 
   def _update_in_place(self, seqs) -> bool:
-    """Applies a decode step of the same rows in place; False (nothing written) when a rebuild is needed."""
+    """Applies a decode step of as many sequences as the last one in place; False (nothing written) when a
+    rebuild is needed. A row whose request is the same as last step's only gains appended blocks; a row
+    that now holds another request (the scheduler reordered or replaced it) has its block-table row and
+    sampling parameters rewritten."""
     if not self._decode_only or len(seqs) != len(self._keys):
       return False
     bs = self.block_size
-    MB = self._dims[2]
     nblocks = []
-    for s, key in zip(seqs, self._keys):
-      if (s.key != key or s.fresh or s.sampling is None
-          or len(s.tokens) + (s.feed_row >= 0) != 1):
+    for s in seqs:
+      if s.sampling is None or len(s.tokens) + (s.feed_row >= 0) != 1:
         return False
       nblocks.append(s.start // bs + 1)
-    if bucket(max(nblocks), self.floors["blocks_floor"]) != MB:
-      return False
-    old = self._nblocks
-    if any(n < o for n, o in zip(nblocks, old)):
+    if bucket(max(nblocks), self.floors["blocks_floor"]) != self._dims[2]:
       return False
     v = self._views
     S = len(seqs)
     tables = v["block_tables"]
-    for i, (s, n, o) in enumerate(zip(seqs, nblocks, old)):
-      if n > o:
-        tables[i, o:n] = s.table[o:n]
+    for i, (s, n, o, key) in enumerate(zip(seqs, nblocks, self._nblocks, self._keys)):
+      if s.key == key and not s.fresh and n >= o:
+        if n > o:
+          tables[i, o:n] = s.table[o:n]
+        continue
+      tables[i, :n] = s.table[:n]          # another request in this row (or its blocks changed)
+      tables[i, n:] = 0
+      t, k, p, seed = s.sampling
+      v["temperature"][i:i + 1] = np.float32(t).view(np.int32)
+      v["top_k"][i] = k
+      v["top_p"][i:i + 1] = np.float32(p).view(np.int32)
+      v["seed"][i:i + 1] = np.uint32(seed).view(np.int32)
     self._nblocks = nblocks
+    self._keys = [s.key for s in seqs]
     starts = np.fromiter((s.start for s in seqs), np.int32, S)
     v["positions"][:S] = starts
     v["context_lens"][:S] = starts + 1
