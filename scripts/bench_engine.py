@@ -6,7 +6,8 @@ and the pipelined loop it replaces, side by side) and once with transformers. Re
   * engine: decode tokens/s (steps after every request has its first token), mean decode-step ms, total
     tokens/s (prefill included), host share of step time, host ms per step by phase (schedule, issue,
     dispatch, process, exposed_host: wall time; dispatch_cpu: the host thread's CPU time in dispatch, which
-    on a CPU backend excludes waiting for a core the device's compute threads hold), and the device's idle time per decode step, measured from real
+    on a CPU backend excludes waiting for a core the device's compute threads hold) over the whole run
+    and over the decode steps only (decode_host_ms_per_step), and the device's idle time per decode step, measured from real
     timestamps by ``engine/idle_probe.py``: idle_k = max(0, [step k+1's dispatch returned] - [step k's
     outputs became ready, seen by a watcher thread blocked in block_until_ready, or the host's own read of
     k's ids, whichever is earlier]). Its error is one-sided (a late "ready" hides idle time); the watcher's
@@ -21,6 +22,7 @@ Prints one JSON line per (impl, batch).
 
   python scripts/bench_engine.py --batch_sizes=1,16,64 --prompt_len=32 --max_tokens=64 --num_device_blocks=512
 """
+import dataclasses
 import json
 import os
 import sys
@@ -79,6 +81,7 @@ def bench_engine(engine, batch, prompt_len, max_tokens, warm_up=True):
     decode_t0 = None
     decode_steps = decode_tokens = 0
     probe_k0 = 0
+    at_decode = None
     while engine.has_unfinished():
       outs = engine.step()
       te = time.perf_counter()
@@ -88,6 +91,7 @@ def bench_engine(engine, batch, prompt_len, max_tokens, warm_up=True):
       elif all(engine.get_request(i).token_ids for i in ids):
         decode_t0 = te
         probe_k0 = probe.num_dispatched
+        at_decode = dataclasses.replace(engine.stats)
     total = time.perf_counter() - t0
     decode_time = time.perf_counter() - decode_t0 if decode_t0 else float("nan")
     probe.stop()
@@ -97,6 +101,13 @@ def bench_engine(engine, batch, prompt_len, max_tokens, warm_up=True):
   idle = probe.idle_ms(since=probe_k0)
   st = engine.stats
   c = engine.config
+  phases = ("schedule", "issue", "dispatch", "dispatch_cpu", "process", "exposed_host")
+
+  def per_step(a, b):   # host ms per step by phase between two stats snapshots (b None: from the start)
+    n = a.steps - (b.steps if b else 0)
+    return {k: 1e3 * (getattr(a, f"{k}_time_s") - (getattr(b, f"{k}_time_s") if b else 0.0)) / max(n, 1)
+            for k in phases}
+
   return {"impl": "superinfer_jax", "batch": batch, "prompt_len": prompt_len, "max_tokens": max_tokens,
           "loop": next(k for k, v in LOOPS.items() if all(getattr(c, n) == x for n, x in v.items())),
           "zero_bubble": bool(c.pipeline and c.zero_bubble),
@@ -106,9 +117,8 @@ def bench_engine(engine, batch, prompt_len, max_tokens, warm_up=True):
           "device_idle_ms_p90": sorted(idle)[int(0.9 * (len(idle) - 1))] if idle else float("nan"),
           "idle_pairs": len(idle), "probe_wakeup_ms": wakeup_ms,
           "host_time_share": st.host_time_share, "exposed_host_share": st.exposed_host_share,
-          "host_ms_per_step": {k: 1e3 * getattr(st, f"{k}_time_s") / max(st.steps, 1)
-                               for k in ("schedule", "issue", "dispatch", "dispatch_cpu", "process",
-                                         "exposed_host")},
+          "host_ms_per_step": per_step(st, None),
+          "decode_host_ms_per_step": per_step(st, at_decode) if decode_t0 else None,
           "batch_rebuild_share": st.batch_rebuilds / max(st.model_steps, 1),
           "discarded_tokens": st.discarded_tokens,
           "pipeline": c.pipeline, "policy": c.scheduler.policy, "attention": c.model.attention,

@@ -200,6 +200,12 @@ class _Req:
   reported_final: bool = False
 
   @property
+  def sampling(self) -> tuple[float, int, float, int]:
+    """(temperature, top_k (0 = off), top_p, seed): the per-row sampling parameters of its steps."""
+    p = self.params
+    return (p.temperature, max(p.top_k, 0), p.top_p, self.seed)
+
+  @property
   def finished(self) -> bool:
     return self.finish_reason is not None
 
@@ -590,13 +596,15 @@ class LLMEngine:
     pending = prev.rows if prev is not None else {}
     fresh = set(plan.rotated_in) | set(plan.admitted) if (plan.rotated_in or plan.admitted) else ()
     seqs: list[SeqInput] = []
+    reqs = self._reqs
     for s in plan.scheduled:
       rid = s.req_id
-      r = self._reqs.get(rid)
-      if r is None or r.finished:
+      r = reqs.get(rid)
+      if r is None or r.finish_reason is not None:
         self.stats.rescheduled_drops += 1
         continue
-      known = r.all_tokens_len()
+      num_out = len(r.output_token_ids)
+      known = len(r.prompt_token_ids) + num_out
       feed_row = pending.get(rid, -1)
       start = s.num_computed_tokens
       stop = start + s.num_new_tokens
@@ -611,11 +619,12 @@ class LLMEngine:
       if s.sample != sample:
         raise RuntimeError(f"plan says sample={s.sample} for {rid!r} tokens [{start}, {stop}) but the "
                            f"request has {known} tokens")
-      p = r.params
-      seqs.append(SeqInput(
-          rid, r.tokens(start, stop - 1 if feed_row >= 0 else stop), start, s.block_table, feed_row,
-          rid in fresh, (p.temperature, max(p.top_k, 0), p.top_p, r.seed) if sample else None,
-          len(r.output_token_ids) + (rid in pending)))
+      if feed_row >= 0:        # host tokens before the fed one (none for a decode step)
+        tokens = () if stop - start == 1 else r.tokens(start, stop - 1)
+      else:
+        tokens = r.tokens(start, stop)
+      seqs.append(SeqInput(rid, tokens, start, s.block_table, feed_row, rid in fresh,
+                           r.sampling if sample else None, num_out + (feed_row >= 0)))
     if not seqs:
       return None
     rebuilds = self._host_batch.rebuilds

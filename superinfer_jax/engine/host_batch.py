@@ -116,15 +116,18 @@ class HostBatch:
     if not self._decode_only or len(seqs) != len(self._keys):
       return False
     bs = self.block_size
-    nblocks = []
+    starts, nblocks, tokens, feeds, steps = [], [], [], [], []
     for s in seqs:
       if s.sampling is None or len(s.tokens) + (s.feed_row >= 0) != 1:
         return False
+      starts.append(s.start)
       nblocks.append(s.start // bs + 1)
+      tokens.append(0 if s.feed_row >= 0 else s.tokens[0])
+      feeds.append(s.feed_row)
+      steps.append(s.step)
     if bucket(max(nblocks), self.floors["blocks_floor"]) != self._dims[2]:
       return False
     v = self._views
-    S = len(seqs)
     tables = v["block_tables"]
     for i, (s, n, o, key) in enumerate(zip(seqs, nblocks, self._nblocks, self._keys)):
       if s.key == key and not s.fresh and n >= o:
@@ -140,11 +143,12 @@ class HostBatch:
       v["seed"][i:i + 1] = np.uint32(seed).view(np.int32)
     self._nblocks = nblocks
     self._keys = [s.key for s in seqs]
-    starts = np.fromiter((s.start for s in seqs), np.int32, S)
-    v["positions"][:S] = starts
-    v["context_lens"][:S] = starts + 1
-    v["slot_mapping"][:S] = tables[np.arange(S), starts // bs] * bs + starts % bs
-    v["token_ids"][:S] = [s.tokens[0] if s.feed_row < 0 else 0 for s in seqs]
-    v["feed"][:S] = [s.feed_row for s in seqs]
-    v["step"][:S] = [s.step for s in seqs]
+    S = len(seqs)
+    pos = np.array(starts, np.int32)
+    v["positions"][:S] = pos
+    v["context_lens"][:S] = pos + 1
+    v["slot_mapping"][:S] = tables[np.arange(S), pos // bs] * bs + pos % bs
+    v["token_ids"][:S] = tokens
+    v["feed"][:S] = feeds
+    v["step"][:S] = steps
     return True
