@@ -1,15 +1,28 @@
 """Decode throughput of the serving engine vs. transformers' generate (PyTorch), same weights, one run.
 
 For each batch size B: B requests with the same prompt length run greedily for --max_tokens new tokens
-(ignore_eos), all submitted together. Reported per B:
+(ignore_eos), all submitted together, once per engine step loop in --loops (default: the zero-bubble loop
+and the pipelined loop it replaces, side by side) and once with transformers. Reported per (impl, B):
   * engine: decode tokens/s (steps after every request has its first token), mean decode-step ms, total
-    tokens/s (prefill included), host share of step time (time in step() not blocked reading sampled ids);
+    tokens/s (prefill included), host share of step time, host ms per step by phase (schedule, issue,
+    dispatch, process, exposed_host: wall time; dispatch_cpu: the host thread's CPU time in dispatch, which
+    on a CPU backend excludes waiting for a core the device's compute threads hold) over the whole run
+    and over the decode steps only (decode_host_ms_per_step), and the device's idle time per decode step, measured from real
+    timestamps by ``engine/idle_probe.py``: idle_k = max(0, [step k+1's dispatch returned] - [step k's
+    outputs became ready, seen by a watcher thread blocked in block_until_ready, or the host's own read of
+    k's ids, whichever is earlier]). Its error is one-sided (a late "ready" hides idle time); the watcher's
+    wake-up latency is reported (probe_wakeup_ms) and the interpreter's switch interval is lowered to
+    --switch_interval_s while the engine runs so that the watcher gets the GIL promptly;
   * torch: transformers ``generate`` (greedy, ``min_new_tokens = max_new_tokens``) on the same GGUF weights,
     total new tokens/s (prefill included) — its decode-only rate is estimated by subtracting a 1-token run.
-Each side runs once untimed first (compilation / warm-up). Prints one JSON line per (impl, batch).
+Each side runs once untimed first (compilation / warm-up); --repeats > 1 interleaves the runs (engine
+loops, torch, engine loops, torch, ...) and reports, per impl, the run with the median decode rate, so a
+burst of load on a shared machine hits all sides alike. Every row carries the 1-minute load average.
+Prints one JSON line per (impl, batch).
 
-  python scripts/bench_engine.py --batch_sizes=1,8,32 --prompt_len=32 --max_tokens=64
+  python scripts/bench_engine.py --batch_sizes=1,16,64 --prompt_len=32 --max_tokens=64 --num_device_blocks=512
 """
+import dataclasses
 import json
 import os
 import sys
@@ -27,6 +40,10 @@ flags.DEFINE_string("model", "smollm2-135m", "built-in name or .gguf path (torch
 flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "batch sizes")
 flags.DEFINE_integer("prompt_len", 32, "prompt tokens per request")
 flags.DEFINE_integer("max_tokens", 64, "new tokens per request")
+flags.DEFINE_list("loops", ["zero_bubble", "pipelined"], "engine step loops to run side by side: zero_bubble, "
+                  "pipelined (reads step k's ids before dispatching k+1), sync (no pipeline)")
+flags.DEFINE_integer("repeats", 1, "interleaved runs per (impl, batch); the median-rate run is reported")
+flags.DEFINE_float("switch_interval_s", 1e-4, "sys.setswitchinterval while the engine runs (idle probe)")
 flags.DEFINE_bool("torch", True, "also run transformers generate on the same weights")
 flags.DEFINE_integer("torch_threads", 0, "torch.set_num_threads (0: leave default)")
 define_engine_flags()
@@ -39,40 +56,76 @@ def _prompts(batch, prompt_len, vocab):
   return [rng.integers(100, min(vocab, 20000), size=prompt_len).tolist() for _ in range(batch)]
 
 
-def bench_engine(engine, batch, prompt_len, max_tokens):
+LOOPS = {"zero_bubble": dict(pipeline=True, zero_bubble=True),
+         "pipelined": dict(pipeline=True, zero_bubble=False),
+         "sync": dict(pipeline=False)}
+
+
+def bench_engine(engine, batch, prompt_len, max_tokens, warm_up=True):
   from superinfer_jax.engine.config import SamplingParams  # pylint: disable=import-outside-toplevel
   from superinfer_jax.engine.engine import EngineStats  # pylint: disable=import-outside-toplevel
+  from superinfer_jax.engine.idle_probe import DeviceIdleProbe  # pylint: disable=import-outside-toplevel
+  from superinfer_jax.experiment.replay import loadavg_1m  # pylint: disable=import-outside-toplevel
   sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
   prompts = _prompts(batch, prompt_len, engine.model_config.vocab_size)
-  engine.generate(prompts, sp)                 # warm-up: compiles every shape of this run
+  if warm_up:
+    engine.generate(prompts, sp)               # compiles every shape of this run
   engine.stats = EngineStats()
-  ids = [engine.add_request(p, sp) for p in prompts]
-  t0 = time.perf_counter()
-  decode_t0 = None
-  decode_steps = 0
-  decode_tokens = 0
-  while engine.has_unfinished():
-    outs = engine.step()
-    te = time.perf_counter()
-    if decode_t0 is not None:
-      decode_steps += 1
-      decode_tokens += sum(len(o.token_ids) for o in outs)
-    elif all(engine.get_request(i).token_ids for i in ids):
-      decode_t0 = te
-  total = time.perf_counter() - t0
-  decode_time = time.perf_counter() - decode_t0 if decode_t0 else float("nan")
+  probe = engine.idle_probe = DeviceIdleProbe().start()
+  switch = sys.getswitchinterval()
+  sys.setswitchinterval(FLAGS.switch_interval_s)
+  try:
+    wakeup_ms = probe.wakeup_latency_ms()
+    ids = [engine.add_request(p, sp) for p in prompts]
+    t0 = time.perf_counter()
+    decode_t0 = None
+    decode_steps = decode_tokens = 0
+    probe_k0 = 0
+    at_decode = None
+    while engine.has_unfinished():
+      outs = engine.step()
+      te = time.perf_counter()
+      if decode_t0 is not None:
+        decode_steps += 1
+        decode_tokens += sum(len(o.token_ids) for o in outs)
+      elif all(engine.get_request(i).token_ids for i in ids):
+        decode_t0 = te
+        probe_k0 = probe.num_dispatched
+        at_decode = dataclasses.replace(engine.stats)
+    total = time.perf_counter() - t0
+    decode_time = time.perf_counter() - decode_t0 if decode_t0 else float("nan")
+    probe.stop()
+  finally:
+    sys.setswitchinterval(switch)
+    engine.idle_probe = None
+  idle = probe.idle_ms(since=probe_k0)
   st = engine.stats
+  c = engine.config
+  phases = ("schedule", "issue", "dispatch", "dispatch_cpu", "process", "exposed_host")
+
+  def per_step(a, b):   # host ms per step by phase between two stats snapshots (b None: from the start)
+    n = a.steps - (b.steps if b else 0)
+    return {k: 1e3 * (getattr(a, f"{k}_time_s") - (getattr(b, f"{k}_time_s") if b else 0.0)) / max(n, 1)
+            for k in phases}
+
   return {"impl": "superinfer_jax", "batch": batch, "prompt_len": prompt_len, "max_tokens": max_tokens,
+          "loop": next(k for k, v in LOOPS.items() if all(getattr(c, n) == x for n, x in v.items())),
+          "zero_bubble": bool(c.pipeline and c.zero_bubble),
           "decode_tok_s": decode_tokens / decode_time, "decode_step_ms": 1e3 * decode_time / max(decode_steps, 1),
           "total_tok_s": batch * max_tokens / total, "total_s": total,
+          "device_idle_ms_per_step": sum(idle) / len(idle) if idle else float("nan"),
+          "device_idle_ms_p90": sorted(idle)[int(0.9 * (len(idle) - 1))] if idle else float("nan"),
+          "idle_pairs": len(idle), "probe_wakeup_ms": wakeup_ms,
           "host_time_share": st.host_time_share, "exposed_host_share": st.exposed_host_share,
-          "host_ms_per_step": {k: 1e3 * getattr(st, f"{k}_time_s") / max(st.steps, 1)
-                               for k in ("schedule", "issue", "dispatch", "process", "exposed_host")},
-          "pipeline": engine.config.pipeline, "policy": engine.config.scheduler.policy,
-          "attention": engine.config.model.attention}
+          "host_ms_per_step": per_step(st, None),
+          "decode_host_ms_per_step": per_step(st, at_decode) if decode_t0 else None,
+          "batch_rebuild_share": st.batch_rebuilds / max(st.model_steps, 1),
+          "discarded_tokens": st.discarded_tokens,
+          "pipeline": c.pipeline, "policy": c.scheduler.policy, "attention": c.model.attention,
+          "token_bucket_floor": c.token_bucket_floor, "loadavg_1m": loadavg_1m()}
 
 
-def bench_torch(model, batch, prompt_len, max_tokens, vocab):
+def bench_torch(model, batch, prompt_len, max_tokens, vocab, warm_up=True):
   import torch  # pylint: disable=import-outside-toplevel
   ids = torch.tensor(_prompts(batch, prompt_len, vocab))
   mask = torch.ones_like(ids)
@@ -86,14 +139,16 @@ def bench_torch(model, batch, prompt_len, max_tokens, vocab):
     assert out.shape[1] == prompt_len + n
     return dt
 
-  run(2)                                        # warm-up
+  if warm_up:
+    run(2)                                      # warm-up
   t_one = run(1)
   total = run(max_tokens)
   decode = max(total - t_one, 1e-9)
+  from superinfer_jax.experiment.replay import loadavg_1m  # pylint: disable=import-outside-toplevel
   return {"impl": "transformers", "batch": batch, "prompt_len": prompt_len, "max_tokens": max_tokens,
           "decode_tok_s": batch * (max_tokens - 1) / decode,
           "decode_step_ms": 1e3 * decode / (max_tokens - 1), "total_tok_s": batch * max_tokens / total,
-          "total_s": total}
+          "total_s": total, "loadavg_1m": loadavg_1m()}
 
 
 def _rounded(x):
@@ -104,12 +159,25 @@ def _rounded(x):
   return x
 
 
+def _median_run(runs):
+  """The run with the median decode rate (lower median for an even count), with the repeat count."""
+  run = sorted(runs, key=lambda r: r["decode_tok_s"])[(len(runs) - 1) // 2]
+  return dict(run, repeats=len(runs))
+
+
 def main(argv):
   del argv
   from superinfer_jax.engine.engine import LLMEngine  # pylint: disable=import-outside-toplevel
+  from superinfer_jax.model import load_model  # pylint: disable=import-outside-toplevel
   from superinfer_jax.model.api import resolve_model_path  # pylint: disable=import-outside-toplevel
   config = engine_config_from_flags()
-  engine = LLMEngine(FLAGS.model, config)
+  unknown = [l for l in FLAGS.loops if l not in LOOPS]
+  if unknown or not FLAGS.loops:
+    raise app.UsageError(f"--loops: unknown {unknown}; choose from {sorted(LOOPS)}")
+  if FLAGS.repeats < 1:
+    raise app.UsageError("--repeats must be >= 1")
+  model = load_model(FLAGS.model, dtype=config.model.dtype)     # one copy of the weights for every loop
+  engines = {loop: LLMEngine(model, config.replace(**LOOPS[loop])) for loop in FLAGS.loops}
   batches = [int(b) for b in FLAGS.batch_sizes]
   tmodel = None
   if FLAGS.torch:
@@ -120,11 +188,19 @@ def main(argv):
     path = resolve_model_path(FLAGS.model)
     tmodel = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float32).eval()
+  vocab = model[0].vocab_size
   for b in batches:
-    rows = [bench_engine(engine, b, FLAGS.prompt_len, FLAGS.max_tokens)]
+    runs = {name: [] for name in list(engines) + (["transformers"] if tmodel is not None else [])}
+    for rep in range(FLAGS.repeats):
+      for loop, engine in engines.items():
+        runs[loop].append(bench_engine(engine, b, FLAGS.prompt_len, FLAGS.max_tokens, warm_up=rep == 0))
+      if tmodel is not None:
+        runs["transformers"].append(bench_torch(tmodel, b, FLAGS.prompt_len, FLAGS.max_tokens, vocab,
+                                                warm_up=rep == 0))
+    rows = [_median_run(runs[name]) for name in runs]
     if tmodel is not None:
-      rows.append(bench_torch(tmodel, b, FLAGS.prompt_len, FLAGS.max_tokens, engine.model_config.vocab_size))
-      rows[0]["speedup_vs_torch_decode"] = rows[0]["decode_tok_s"] / rows[1]["decode_tok_s"]
+      for r in rows[:-1]:
+        r["speedup_vs_torch_decode"] = r["decode_tok_s"] / rows[-1]["decode_tok_s"]
     for r in rows:
       print(json.dumps(_rounded(r)), flush=True)
 

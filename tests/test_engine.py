@@ -78,16 +78,20 @@ def test_memory_pressure_recompute_matches_one_by_one(model, pipeline):
   assert eng.block_manager.num_free_device_blocks == 14
 
 
-def test_pipelined_equals_sync_and_drops_finished(model):
+@pytest.mark.parametrize("zero_bubble", [False, True])
+def test_pipelined_equals_sync_and_drops_finished(model, zero_bubble):
   prompts = _prompts(6, seed=3)
   free = _engine(model).generate(prompts, SamplingParams(max_tokens=11, ignore_eos=True))
   # Mixed lengths, and stop tokens the scheduler cannot foresee (the engine stops those requests, so the
-  # lookahead plan already scheduled them: they must be dropped before dispatch).
+  # lookahead plan already scheduled them: the pipelined loop drops them before dispatch; the zero-bubble
+  # loop has dispatched them already and discards the token).
   params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (1, 3, 5, 7, 9, 11)]
   for i in (2, 4, 5):
     params[i] = dataclasses.replace(params[i], stop_token_ids=[free[i].token_ids[i - 1]])
-  a = _engine(model, pipeline=False).generate(prompts, params)
-  eng = _engine(model, pipeline=True)
+  sync = _engine(model, pipeline=False, clock=StepClock())
+  a = sync.generate(prompts, params)
+  eng = _engine(model, pipeline=True, zero_bubble=zero_bubble, clock=StepClock())
+  eng._host_batch.verify = True   # pylint: disable=protected-access
   b = eng.generate(prompts, params)
   assert [o.token_ids for o in a] == [o.token_ids for o in b]
   assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
@@ -95,9 +99,15 @@ def test_pipelined_equals_sync_and_drops_finished(model):
     assert o.token_ids == free[i].token_ids[:len(o.token_ids)]
     if i in (2, 4, 5):
       assert o.finish_reason == "stop" and len(o.token_ids) <= i
-  assert eng.stats.rescheduled_drops > 0     # lookahead slots of stopped requests were dropped
+  if zero_bubble:
+    assert eng.stats.discarded_tokens > 0 and eng.stats.rescheduled_drops == 0
+    assert eng.stats.exposed_host_time_s == 0.0
+  else:
+    assert eng.stats.rescheduled_drops > 0 and eng.stats.discarded_tokens == 0
+  assert sync.stats.discarded_tokens == sync.stats.rescheduled_drops == 0
+  assert 0 < eng.stats.batch_rebuilds < eng.stats.model_steps    # most decode steps updated in place
   eng.check_invariants()
-  assert eng.block_manager.num_requests == 0
+  assert eng.block_manager.num_requests == 0 and not eng.has_unfinished()
 
 
 def test_streaming_outputs_concatenate_to_result(model):
@@ -234,10 +244,10 @@ def test_bad_config_is_a_startup_error(model):
 def test_no_implicit_transfers_in_step_loop(model):
   prompts = _prompts(5, seed=11)
   sp = [GREEDY, SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=3, ignore_eos=True)] * 3
-  # Warm up (compile) outside the guard, then run a fresh engine under it.
-  for pipeline in (True, False):
-    _engine(model, num_device_blocks=16, pipeline=pipeline).generate(prompts, sp[:5])
-    eng = _engine(model, num_device_blocks=16, pipeline=pipeline)
+  # Warm up (compile) outside the guard, then run a fresh engine under it; each of the three loops.
+  for loop in (dict(zero_bubble=True), dict(zero_bubble=False), dict(pipeline=False)):
+    _engine(model, num_device_blocks=16, **loop).generate(prompts, sp[:5])
+    eng = _engine(model, num_device_blocks=16, **loop)
     with jax.transfer_guard("disallow"):
       outs = eng.generate(prompts, sp[:5])
     assert all(len(o.token_ids) == 10 for o in outs)
@@ -341,3 +351,26 @@ def test_scheduler_does_not_hoard_finished_requests(model):
   eng = _engine(model, num_device_blocks=16)
   eng.generate(_prompts(5, seed=21), GREEDY)
   assert eng.scheduler.pop_finished() == []
+
+
+def test_release_waits_for_the_step_in_flight(model):
+  """Zero-bubble: a request's final output comes while the next step (which still names it) is in flight;
+  releasing it then is deferred until that step is read, and then forgets it."""
+  eng = _engine(model)
+  rid = eng.add_request(_prompts(1, seed=22)[0], SamplingParams(max_tokens=3, ignore_eos=True,
+                                                                stop_token_ids=list(range(128))))
+  other = eng.add_request(_prompts(1, seed=23)[0], SamplingParams(max_tokens=6, ignore_eos=True))
+  final = None
+  while final is None:
+    final = next((o for o in eng.step() if o.request_id == rid and o.finished), None)
+  assert final.finish_reason == "stop" and len(final.token_ids) == 1
+  assert rid in eng._inflight.scheduled       # pylint: disable=protected-access
+  eng.release(rid)
+  assert eng.get_request(rid).finish_reason == "stop"   # still known: the step in flight names it
+  eng.step()
+  with pytest.raises(KeyError):
+    eng.get_request(rid)
+  while eng.has_unfinished():
+    eng.step()
+  assert len(eng.get_request(other).token_ids) == 6
+  assert eng.stats.discarded_tokens == 1

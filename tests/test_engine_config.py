@@ -24,12 +24,13 @@ def _parse(args):
 
 def test_flags_build_config():
   c, _ = _parse(["--num_device_blocks=100", "--num_host_blocks=-1", "--host_gib=2", "--block_size=8",
-                 "--policy=fcfs_swap", "--alpha=1.5", "--proactive_swap_budget=16", "--nopipeline",
+                 "--policy=fcfs_swap", "--alpha=1.5", "--proactive_swap_budget=16", "--nopipeline", "--nozero_bubble",
                  "--attention=pallas", "--dtype=bfloat16", "--max_model_len=512", "--transfer_mode=merged",
                  "--min_residency=3", "--nowriteback", "--proactive_recompute", "--beta_b=-10"])
   assert (c.num_device_blocks, c.num_host_blocks, c.host_gib, c.block_size) == (100, None, 2.0, 8)
   s = c.scheduler
-  assert (s.policy, s.alpha, s.proactive_swap_budget, c.pipeline) == ("fcfs_swap", 1.5, 16, False)
+  assert (s.policy, s.alpha, s.proactive_swap_budget, c.pipeline, c.zero_bubble) == ("fcfs_swap", 1.5, 16, False,
+                                                                                   False)
   assert (s.min_residency, s.writeback, s.proactive_recompute, s.beta_b) == (3, False, True, -10.0)
   assert (c.model.attention, c.model.dtype, c.model.max_model_len) == ("pallas", "bfloat16", 512)
   assert c.rotation.transfer_mode == "merged"

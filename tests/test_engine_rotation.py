@@ -56,10 +56,19 @@ def reference(model):
   return prompts, ref
 
 
+LOOPS = {"sync": dict(pipeline=False), "pipelined": dict(pipeline=True, zero_bubble=False),
+         "zero_bubble": dict(pipeline=True, zero_bubble=True)}
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_memory_pressure_token_identical(model, reference, policy):
+def test_memory_pressure_token_identical(model, reference, policy, loop):
+  """Every policy, in each of the three step loops: the tokens of running each request alone (so the
+  zero-bubble loop's tokens equal the non-pipelined loop's), with the persistent host batch checked
+  against a full rebuild at every step."""
   prompts, ref = reference
-  eng = _engine(model, policy=policy, num_device_blocks=18, pipeline=(policy != "sf"))
+  eng = _engine(model, policy=policy, num_device_blocks=18, **LOOPS[loop])
+  eng._host_batch.verify = True   # pylint: disable=protected-access
   ids = [eng.add_request(p, SP) for p in prompts]
   while eng.has_unfinished():
     eng.step()

@@ -1,6 +1,6 @@
 """Real SmolLM2-135M through the engine (slow): under heavy memory pressure every policy (the rotating
-ones by rotation, fcfs by recompute) gives exactly the greedy tokens of running each request alone with
-ample memory."""
+ones by rotation, fcfs by recompute), in the zero-bubble loop and in the non-pipelined one, gives exactly
+the greedy tokens of running each request alone with ample memory."""
 import pytest
 
 from superinfer_jax.engine.config import EngineConfig, SamplingParams
@@ -37,9 +37,12 @@ def reference(smol):
   return [eng.generate([p], SP)[0].token_ids for p in PROMPTS]
 
 
+@pytest.mark.parametrize("zero_bubble", [True, False])
 @pytest.mark.parametrize("policy", ["rotasched", "fcfs", "fcfs_swap", "wf", "sf", "rotasched_code", "edf"])
-def test_smollm2_memory_pressure_token_identical(smol, reference, policy):
-  eng = _engine(smol, policy=policy, num_device_blocks=6)   # ~2 of the 5 requests fit at a time
+def test_smollm2_memory_pressure_token_identical(smol, reference, policy, zero_bubble):
+  loop = dict(pipeline=True, zero_bubble=True) if zero_bubble else dict(pipeline=False)
+  eng = _engine(smol, policy=policy, num_device_blocks=6, **loop)   # ~2 of the 5 requests fit at a time
+  eng._host_batch.verify = True   # pylint: disable=protected-access
   outs = eng.generate(PROMPTS, SP)
   assert [o.token_ids for o in outs] == reference
   if policy != "fcfs":

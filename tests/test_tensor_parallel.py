@@ -328,6 +328,7 @@ def _cuda_lowering(tp) -> dict:
 
   from pallas_kernels.ragged_paged_attention import ragged_paged_attention
   from superinfer_jax.engine import engine as engine_lib
+  from superinfer_jax.engine import packing
   from superinfer_jax.model.config import ModelConfig
   from superinfer_jax.model.params import param_shapes
   from superinfer_jax.parallel import sharding as sh
@@ -342,10 +343,13 @@ def _cuda_lowering(tp) -> dict:
   T, S, MB, R = 16, 4, 4, 4
   cache = jax.ShapeDtypeStruct(cfg_tp.kv_spec(16, "bfloat16").shape(32), jnp.bfloat16,
                                sharding=NamedSharding(tp.mesh, sh.KV_CACHE_SPEC))
-  packed = jax.ShapeDtypeStruct((3 * T + S * MB + 2 * S + 1 + 6 * R,), jnp.int32, sharding=tp.replicated)
+  dims = (T, S, MB, R)
+  size = max(stop for _, stop in packing.offsets(dims).values())
+  packed = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=tp.replicated)
+  prev_tokens = jax.ShapeDtypeStruct((R,), jnp.int32, sharding=tp.replicated)
   attn = tp.attention(functools.partial(ragged_paged_attention, interpret=False))
   lowered = engine_lib._jit_step.trace(  # pylint: disable=protected-access
-      params, cache, packed, dims=(T, S, MB, R), cfg=cfg_tp, attention=attn,
+      params, cache, packed, prev_tokens, dims=dims, cfg=cfg_tp, attention=attn,
       logits_sharding=tp.replicated).lower(lowering_platforms=("cuda",))
   txt = lowered.as_text()
   main = next(line for line in txt.splitlines() if "func.func public @main" in line)

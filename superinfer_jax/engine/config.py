@@ -30,6 +30,7 @@ FINISH_LENGTH = "length"    # max_tokens reached (or the model's context is full
 FINISH_ABORT = "abort"      # aborted by the caller
 FINISH_ERROR = "error"      # the request could not be served (e.g. it can never fit the device pool)
 FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR)
+LAYER_LOOPS = ("auto", "scan", "unrolled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +59,17 @@ class EngineConfig:
   host_gib: float = knob(4.0, "host pool size in GiB when --num_host_blocks is unset")
   block_size: int = knob(16, "tokens per KV block")
   pipeline: bool = knob(True, "overlap planning + transfers of step k+1 with step k")
+  zero_bubble: bool = knob(True, "with --pipeline: dispatch step k+1 before reading step k's ids, feeding "
+                                 "the tokens k samples to k+1 on device (false: read k's ids, then dispatch)")
   seed: int = knob(0, "seed of requests that give none", flag="engine_seed")
   tensor_parallel_size: int = knob(1, "devices of the 1-D tensor-parallel mesh (weights and KV sharded by "
                                       "heads; docs/parallel.md)")
+  layer_loop: str = knob("auto", "model layers as a scan (one compiled layer body) or unrolled (no "
+                                 "per-layer weight copies; longer compiles); auto: unrolled on CPU",
+                         choices=LAYER_LOOPS)
   # Shape-bucket floors of the ragged batch (tokens T, sequences S = logit rows R, block-table width MB);
   # each is rounded up to a power of two. Raising them trades padding compute for fewer compilations.
-  token_bucket_floor: int = knob(8, "smallest token bucket of a step")
+  token_bucket_floor: int = knob(1, "smallest token bucket of a step")
   seq_bucket_floor: int = knob(1, "smallest sequence bucket of a step")
   blocks_bucket_floor: int = knob(4, "smallest block-table width bucket of a step")
   scheduler: SchedulerConfig = subtree(SchedulerConfig)
@@ -86,6 +92,7 @@ class EngineConfig:
     check_int("blocks_bucket_floor")
     check_int("seed", allow_zero=True)
     check_int("tensor_parallel_size")
+    configtree.check_choices(self)
     if not 0.0 < self.device_memory_fraction <= 1.0:
       raise ValueError(f"EngineConfig.device_memory_fraction must be in (0, 1], got "
                        f"{self.device_memory_fraction!r}")

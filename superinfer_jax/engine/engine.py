@@ -15,21 +15,34 @@ One engine step (docs/architecture.md "One engine step"):
      ignore_eos, stop token ids, stop strings, max_tokens, context length) run on the host;
      ``Scheduler.on_step_done`` is told the new tokens and finished requests; outputs carry timestamps.
 
-Pipelined loop (docs/paper.md §4.5, ``EngineConfig.pipeline``): with step k in flight on the device, the host
-plans step k+1 with ``schedule(lookahead=True)`` (requests in flight are assumed to gain one token) and
-issues its transfers, and only then blocks reading step k's tokens. Requests that finished at step k are
-dropped from plan k+1 ("reschedule"; the token the lookahead assumed is never computed), then step k+1 is
-dispatched. The host never waits on the device except in that one ``device_get``; the step loop does no
-implicit transfers (tested under ``jax.transfer_guard("disallow")``). With the pipeline off, each step
-plans, issues, dispatches and reads back in sequence.
+Three loops (``EngineConfig.pipeline`` and ``zero_bubble``):
+
+* zero-bubble (pipeline and zero_bubble on, the default; on-device token feedback): with step k in flight,
+  the host plans step k+1 with ``schedule(lookahead=True)`` (requests in flight are assumed to gain one
+  token), issues its transfers and dispatches it at once: the token each continuing sequence needs is the
+  one step k is sampling, and step k+1 takes it from step k's device output (``packing.feed_tokens``), so
+  the device never waits for the host to read ids. Only then does the host read step k's ids (stop checks,
+  outputs), one step behind. A request that stopped at step k was already in step k+1: the token step k+1
+  computed for it is discarded (``EngineStats.discarded_tokens``) and its blocks, freed when step k's stop
+  was seen, are reused only by steps dispatched later (which overwrite before they read, in device order).
+* pipelined (pipeline on, zero_bubble off; the ablation): plan and issue k+1 while k runs, then read k's
+  ids, drop requests that finished at k from plan k+1 ("reschedule"; ``rescheduled_drops``), then
+  dispatch k+1 with its tokens from the host. The device idles from the end of k until that dispatch.
+* sync (pipeline off): each step plans, issues, dispatches and reads back in sequence.
+
+All three give the same tokens and the same timestamp rule, and none makes an implicit transfer (tested
+under ``jax.transfer_guard("disallow")``). The host builds a step's inputs in a persistent buffer
+(``engine/host_batch.py``): a decode step of the same sequences updates it in place.
 
 Timestamps come from the injected clock (default ``WallClock``); a token's timestamp is the clock time at
 which its step's ids were read back.
 
 Counters (``LLMEngine.stats``, ``EngineStats``): steps, rotations out/in, blocks and bytes out (swap-out +
-eager write-back) and in, recompute preemptions, lookahead slots dropped, and host time by phase, with
-``host_time_share`` (host busy / step wall time) and ``exposed_host_share`` (time the device waits for the
-host between reading step k and dispatching step k+1).
+eager write-back) and in, recompute preemptions, lookahead slots dropped, tokens discarded, and host time
+by phase, with ``host_time_share`` (host busy / step wall time) and ``exposed_host_share`` (host time
+between reading step k and dispatching step k+1, a host-timer bound on the device's wait; 0 in the
+zero-bubble loop, which dispatches k+1 first). The device's real idle time per step is measured from
+timestamps by ``engine/idle_probe.py`` (``LLMEngine.idle_probe``; ``scripts/bench_engine.py``).
 
 Not thread-safe: one thread drives ``add_request`` / ``abort`` / ``step`` (a server funnels requests into
 that thread).
@@ -46,13 +59,14 @@ import numpy as np
 
 from superinfer_jax.engine import packing
 from superinfer_jax.engine import sampling as sampling_lib
+from superinfer_jax.engine.host_batch import HostBatch, SeqInput
 from superinfer_jax.engine.config import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, CompletionOutput,
                                           EngineConfig, RequestOutput, SamplingParams)
 from superinfer_jax.engine.detokenizer import IncrementalDetokenizer
 from superinfer_jax.kv.block_manager import BlockManager
 from superinfer_jax.kv.layout import BLOCK_FIRST
 from superinfer_jax.model import load_model, load_tokenizer
-from superinfer_jax.model.batch import bucket, build_batch
+from superinfer_jax.model.batch import bucket
 from superinfer_jax.model.forward import forward, init_kv_cache
 from superinfer_jax.model.tokenizer import encode_text
 from superinfer_jax.parallel import distributed
@@ -87,6 +101,14 @@ def _eos_token_ids(cfg, tokenizer) -> set[int]:
   return ids
 
 
+def _unstack_layers(params):
+  """``params`` with ``layers`` as a list of per-layer dicts: ``forward`` then unrolls the layer loop and
+  each matmul reads its weight where it lies (``EngineConfig.layer_loop``)."""
+  layers = params["layers"]
+  n = jax.tree.leaves(layers)[0].shape[0]
+  return dict(params, layers=[jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n)])
+
+
 class RequestError(ValueError):
   """A request was rejected at ``add_request`` (empty / too long prompt, can never fit, bad params)."""
 
@@ -110,6 +132,8 @@ class EngineStats:
   contended_steps: int = 0       # steps planned under memory contention (rotation considered)
   residency_steps: int = 0       # sum over rotations out of the steps the request had been resident
   rescheduled_drops: int = 0     # lookahead slots dropped because the request finished
+  discarded_tokens: int = 0      # zero-bubble: tokens computed for a request that had stopped a step before
+  batch_rebuilds: int = 0        # steps whose host inputs were rebuilt (the rest were updated in place)
   step_time_s: float = 0.0       # wall time spent inside step()
   host_time_s: float = 0.0       # ... of which not blocked waiting for sampled tokens
   wait_time_s: float = 0.0       # ... blocked in device_get of the sampled ids
@@ -119,8 +143,12 @@ class EngineStats:
   issue_time_s: float = 0.0
   dispatch_time_s: float = 0.0
   process_time_s: float = 0.0
+  # CPU time of the host thread in dispatch: on a CPU backend the device's compute threads share the cores,
+  # so dispatch's wall time includes waiting for a core; this is the host's own work.
+  dispatch_cpu_time_s: float = 0.0
   # Host time the device sits idle for in the loop: from reading step k's ids to dispatching step k+1
-  # (pipelined: process + dispatch; the plan and transfers of k+1 are hidden behind step k).
+  # (pipelined: process + dispatch; the plan and transfers of k+1 are hidden behind step k; zero-bubble:
+  # none, k+1 is dispatched before k's ids are read).
   exposed_host_time_s: float = 0.0
 
   @property
@@ -175,6 +203,12 @@ class _Req:
   reported_final: bool = False
 
   @property
+  def sampling(self) -> tuple[float, int, float, int]:
+    """(temperature, top_k (0 = off), top_p, seed): the per-row sampling parameters of its steps."""
+    p = self.params
+    return (p.temperature, max(p.top_k, 0), p.top_p, self.seed)
+
+  @property
   def finished(self) -> bool:
     return self.finish_reason is not None
 
@@ -198,24 +232,28 @@ class _Req:
 class _InFlight:
   """A dispatched model step whose sampled ids are not read yet."""
   plan: Any
-  tokens: jax.Array                      # [R] int32 on device
-  rows: list[tuple[str, int]]            # (request id, logits row) of each sequence that samples
+  tokens: jax.Array                      # [N] int32 on device (N = LLMEngine.out_rows; row i = logits row i)
+  rows: dict[str, int]                   # request id -> logits row, for each sequence that samples
   scheduled: list[str]                   # request ids in the step
   read_time: float = 0.0                 # perf_counter() when its ids were read back
+  probe_step: int = -1                   # the idle probe's index of this step
 
 
-def _step_fn(params, kv_cache, packed, *, dims, cfg, attention, logits_sharding=None):
-  """Model forward on the donated cache + on-device sampling. Returns (tokens[R] int32, kv_cache).
+def _step_fn(params, kv_cache, packed, prev_tokens, *, dims, cfg, attention, logits_sharding=None):
+  """Model forward on the donated cache + on-device sampling. Returns (tokens[N] int32, kv_cache).
 
-  ``packed`` is the step's one int32 buffer (``engine/packing.py``) with batch dims ``dims`` (static).
+  ``packed`` is the step's one int32 buffer (``engine/packing.py``) with batch dims ``dims`` (static);
+  ``prev_tokens`` [N] the previous step's sampled ids (on device), read where the buffer's feed says so.
+  The R sampled ids are padded with zeros to N, so every step's output can be the next one's input.
   ``logits_sharding`` (tensor parallel): the vocab-sharded logits are gathered to it before sampling.
   """
-  batch, samp = packing.unpack(packed, dims)
+  batch, samp, feed = packing.unpack(packed, dims)
+  batch = batch._replace(token_ids=packing.feed_tokens(batch.token_ids, feed, prev_tokens))
   logits, kv_cache = forward(params, kv_cache, batch, cfg, attention)
   if logits_sharding is not None:
     logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
   tokens = sampling_lib.sample(logits, *samp)
-  return tokens, kv_cache
+  return jax.numpy.zeros_like(prev_tokens).at[:tokens.shape[0]].set(tokens), kv_cache
 
 
 # One jit for all engines in the process (cfg and attention static), so engines built on the same model and
@@ -236,10 +274,12 @@ class LLMEngine:
       with ``(cfg, params)`` and no tokenizer, prompts must be token ids and outputs have no text).
     scheduler_factory: ``(scheduler_config, block_manager, clock) -> SchedulerProtocol`` to plug in a
       custom scheduler (default: ``sched.Scheduler`` with ``config.scheduler.policy``).
+    idle_probe: optional ``engine.idle_probe.DeviceIdleProbe`` told of every dispatch and read-back (also
+      settable later as ``engine.idle_probe``).
   """
 
   def __init__(self, model: Any, config: Optional[EngineConfig] = None, clock: Any = None,
-               tokenizer: Any = None, scheduler_factory: Any = None):
+               tokenizer: Any = None, scheduler_factory: Any = None, idle_probe: Any = None):
     self.config = config = (config or EngineConfig())
     if config.rotation.kv_layout != BLOCK_FIRST:
       raise ValueError(f"kv_layout={config.rotation.kv_layout!r}: the engine's attention reads a block-first "
@@ -262,7 +302,10 @@ class LLMEngine:
     if self.tp is not None:
       run_cfg, params = self.tp.prepare(cfg, params)
     self.model_config = cfg
-    self.params = params
+    self.layer_loop = config.layer_loop
+    if self.layer_loop == "auto":
+      self.layer_loop = "unrolled" if jax.default_backend() == "cpu" else "scan"
+    self.params = _unstack_layers(params) if self.layer_loop == "unrolled" else params
     self.tokenizer = tokenizer if tokenizer is not None else tok
     self.eos_token_ids = frozenset(_eos_token_ids(cfg, self.tokenizer))
     self.max_model_len = min(config.model.max_model_len or cfg.max_position_embeddings,
@@ -286,6 +329,13 @@ class LLMEngine:
     if self.tp is not None:
       self._step_kwargs.update(attention=self.tp.attention(config.model.attention),
                                logits_sharding=self.tp.replicated)
+    # Rows of every step's sampled-ids output: the largest logits bucket a plan can have.
+    self.out_rows = bucket(config.scheduler.max_num_seqs, config.seq_bucket_floor)
+    self._no_tokens = self._put(np.zeros(self.out_rows, np.int32), commit=True)
+    self._host_batch = HostBatch(config.block_size, token_floor=config.token_bucket_floor,
+                                 seq_floor=config.seq_bucket_floor, blocks_floor=config.blocks_bucket_floor)
+    self.idle_probe = idle_probe
+    self._release_after_step: set[str] = set()   # release() of requests still in a step in flight
     self.stats = EngineStats()
     self._reqs: dict[str, _Req] = {}
     self._unfinished: set[str] = set()
@@ -295,6 +345,13 @@ class LLMEngine:
     self._empty_steps = 0
 
   # ------------------------------------------------------------------------------------------ sizing
+  def _put(self, x: np.ndarray, commit: bool = False) -> jax.Array:
+    """Host -> device for a step input: the default device (committed to it with ``commit``, as the step's
+    outputs are), or replicated on the tensor-parallel mesh."""
+    if self.tp is not None:
+      return self.tp.put(x)
+    return jax.device_put(x, jax.local_devices()[0]) if commit else jax.device_put(x)
+
   def _device_blocks(self) -> int:
     c = self.config
     if c.num_device_blocks:
@@ -405,8 +462,10 @@ class LLMEngine:
     return True
 
   def has_unfinished(self) -> bool:
-    """True while a request is queued, running, rotary, or has an output not yet returned."""
-    return bool(self._unfinished) or bool(self._pending_out)
+    """True while a request is queued, running, rotary, or has an output not yet returned, or a step is
+    in flight (zero-bubble: the step dispatched after the last request's final step; the next ``step()``
+    reads and discards it)."""
+    return bool(self._unfinished) or bool(self._pending_out) or self._inflight is not None
 
   def get_request(self, request_id: str) -> CompletionOutput:
     """The accumulated result of a request (finished or not)."""
@@ -418,8 +477,11 @@ class LLMEngine:
   def release(self, request_id: str) -> None:
     """Forgets a finished request's accumulated state (long-running servers call this)."""
     r = self._reqs.get(request_id)
-    in_flight = self._inflight is not None and request_id in self._inflight.scheduled
-    if r is not None and r.reported_final and not in_flight:
+    if r is None or not r.reported_final:
+      return
+    if self._inflight is not None and request_id in self._inflight.scheduled:
+      self._release_after_step.add(request_id)    # the step in flight still names it: release after it
+    else:
       del self._reqs[request_id]
 
   # ----------------------------------------------------------------------------------------- the loop
@@ -428,10 +490,12 @@ class LLMEngine:
     the new outputs: one ``RequestOutput`` per request that gained tokens or finished."""
     t0 = time.perf_counter()
     wait = 0.0
-    if self.config.pipeline:
-      wait = self._step_pipelined()
-    else:
+    if not self.config.pipeline:
       wait = self._step_sync()
+    elif self.config.zero_bubble:
+      wait = self._step_zero_bubble()
+    else:
+      wait = self._step_pipelined()
     outputs = self._collect_outputs()
     dt = time.perf_counter() - t0
     self.stats.steps += 1
@@ -447,6 +511,7 @@ class LLMEngine:
     inflight = self._dispatch(plan)
     if inflight is None:
       self._on_step_done(plan, {}, {})
+      self._break_probe_chain()
       self.stats.exposed_host_time_s += time.perf_counter() - t0
       return 0.0
     t1 = time.perf_counter()
@@ -461,6 +526,7 @@ class LLMEngine:
       self._inflight = self._dispatch(plan)
       if self._inflight is None:
         self._on_step_done(plan, {}, {})
+        self._break_probe_chain()
         return 0.0
     # Step k is running on the device: plan step k+1 and start its transfers meanwhile.
     next_plan = self._schedule(lookahead=True)
@@ -471,8 +537,34 @@ class LLMEngine:
     self._inflight = self._dispatch(next_plan)
     if self._inflight is None:
       self._on_step_done(next_plan, {}, {})
+      self._break_probe_chain()
     self.stats.exposed_host_time_s += time.perf_counter() - t_read
     return wait
+
+  def _step_zero_bubble(self) -> float:
+    if self._inflight is None:
+      plan = self._schedule(lookahead=False)
+      self._issue(plan)
+      self._inflight = self._dispatch(plan)
+      if self._inflight is None:
+        self._on_step_done(plan, {}, {})
+        self._break_probe_chain()
+        return 0.0
+    # Step k is running: plan, issue and dispatch step k+1 (its fed tokens come from k's device output),
+    # then read step k's ids.
+    next_plan = self._schedule(lookahead=True)
+    self._issue(next_plan)
+    inflight = self._inflight
+    self._inflight = self._dispatch(next_plan, prev=inflight)
+    wait = self._complete(inflight)
+    if self._inflight is None:
+      self._on_step_done(next_plan, {}, {})
+      self._break_probe_chain()
+    return wait
+
+  def _break_probe_chain(self) -> None:
+    if self.idle_probe is not None:
+      self.idle_probe.break_chain()
 
   def _schedule(self, lookahead: bool):
     t = time.perf_counter()
@@ -524,70 +616,88 @@ class LLMEngine:
       self.kv_cache = self.duplex.issue(self.kv_cache, swap_out, writeback, swap_in)
     st.issue_time_s += time.perf_counter() - t
 
-  def _dispatch(self, plan) -> Optional[_InFlight]:
-    """Builds the batch for ``plan`` (skipping finished requests) and dispatches the jitted step."""
-    t0 = time.perf_counter()
-    seqs, rows_req, ids = [], [], []
+  def _dispatch(self, plan, prev: Optional[_InFlight] = None) -> Optional[_InFlight]:
+    """Builds the inputs of ``plan`` (skipping finished requests) and dispatches the jitted step.
+
+    ``prev``: the step in flight whose ids the host has not read (zero-bubble loop). A request it samples
+    has one more token than the host knows; that token is fed from ``prev.tokens`` on device.
+    """
+    t0, c0 = time.perf_counter(), time.thread_time()
+    pending = prev.rows if prev is not None else {}
+    fresh = set(plan.rotated_in) | set(plan.admitted) if (plan.rotated_in or plan.admitted) else ()
+    seqs: list[SeqInput] = []
+    reqs = self._reqs
     for s in plan.scheduled:
-      r = self._reqs.get(s.req_id)
-      if r is None or r.finished:
+      rid = s.req_id
+      r = reqs.get(rid)
+      if r is None or r.finish_reason is not None:
         self.stats.rescheduled_drops += 1
         continue
+      num_out = len(r.output_token_ids)
+      known = len(r.prompt_token_ids) + num_out
+      feed_row = pending.get(rid, -1)
       start = s.num_computed_tokens
       stop = start + s.num_new_tokens
-      if stop > r.all_tokens_len():
-        raise RuntimeError(f"scheduler planned tokens [{start}, {stop}) of {s.req_id!r} which has only "
-                           f"{r.all_tokens_len()} tokens")
-      seqs.append((r.tokens(start, stop), start, list(s.block_table)))
-      ids.append(s.req_id)
-      sample = stop == r.all_tokens_len()   # the chunk reaches the end of the known tokens: sample
+      if feed_row >= 0:
+        if stop <= known:
+          feed_row = -1        # the chunk ends before the token in flight (not fed)
+        known += 1
+      if stop > known:
+        raise RuntimeError(f"scheduler planned tokens [{start}, {stop}) of {rid!r} which has only "
+                           f"{known} tokens")
+      sample = stop == known   # the chunk reaches the end of the known tokens: sample
       if s.sample != sample:
-        raise RuntimeError(f"plan says sample={s.sample} for {s.req_id!r} tokens [{start}, {stop}) but the "
-                           f"request has {r.all_tokens_len()} tokens")
-      rows_req.append(sample)
+        raise RuntimeError(f"plan says sample={s.sample} for {rid!r} tokens [{start}, {stop}) but the "
+                           f"request has {known} tokens")
+      if feed_row >= 0:        # host tokens before the fed one (none for a decode step)
+        tokens = () if stop - start == 1 else r.tokens(start, stop - 1)
+      else:
+        tokens = r.tokens(start, stop)
+      seqs.append(SeqInput(rid, tokens, start, s.block_table, feed_row, rid in fresh,
+                           r.sampling if sample else None, num_out + (feed_row >= 0)))
     if not seqs:
       return None
-    batch = self._build_batch(seqs)
-    R = int(batch.logits_indices.shape[0])
-    samp = sampling_lib.SamplingArrays.empty(R)
-    rows = []
-    for i, (rid, want) in enumerate(zip(ids, rows_req)):
-      if not want:
-        continue
-      row = i  # logits="last": row i holds sequence i's last token
-      r = self._reqs[rid]
-      p = r.params
-      samp.temperature[row] = p.temperature
-      samp.top_k[row] = p.top_k if p.top_k > 0 else 0
-      samp.top_p[row] = p.top_p
-      samp.seed[row] = r.seed
-      samp.step[row] = len(r.output_token_ids)
-      rows.append((rid, row))
-    packed, dims = packing.pack(batch, samp)
-    packed = jax.device_put(packed) if self.tp is None else self.tp.put(packed)   # the one explicit H2D
-    tokens, self.kv_cache = _jit_step(self.params, self.kv_cache, packed, dims=dims, **self._step_kwargs)
+    rebuilds = self._host_batch.rebuilds
+    packed, dims = self._host_batch.build(seqs)
+    R = dims[3]
+    if R > self.out_rows:
+      raise RuntimeError(f"plan has {len(seqs)} sequences: more than max_num_seqs "
+                         f"({self.config.scheduler.max_num_seqs}) allows ({self.out_rows} output rows)")
+    packed = self._put(packed)             # the step's one explicit host->device transfer
+    prev_tokens = prev.tokens if prev is not None else self._no_tokens
+    tokens, self.kv_cache = _jit_step(self.params, self.kv_cache, packed, prev_tokens, dims=dims,
+                                      **self._step_kwargs)
+    probe_step = self.idle_probe.dispatched(tokens) if self.idle_probe is not None else -1
     # Start the sampled ids' device->host copy now, ahead of the next plan's swap-out copies (which depend
     # on this step too): reading them back must not wait behind a large rotation on a shared D2H stream.
     tokens.copy_to_host_async()
-    self.stats.model_steps += 1
-    self.stats.tokens_scheduled += sum(len(s[0]) for s in seqs)
-    self.stats.dispatch_time_s += time.perf_counter() - t0
-    return _InFlight(plan=plan, tokens=tokens, rows=rows, scheduled=ids)
+    st = self.stats
+    st.model_steps += 1
+    st.batch_rebuilds += self._host_batch.rebuilds - rebuilds
+    st.tokens_scheduled += sum(len(q.tokens) + (q.feed_row >= 0) for q in seqs)
+    rows = {q.key: i for i, q in enumerate(seqs) if q.sampling is not None}  # logits row i = sequence i
+    st.dispatch_time_s += time.perf_counter() - t0
+    st.dispatch_cpu_time_s += time.thread_time() - c0
+    return _InFlight(plan=plan, tokens=tokens, rows=rows, scheduled=[q.key for q in seqs],
+                     probe_step=probe_step)
 
   def _complete(self, inflight: _InFlight) -> float:
     """Reads back step k's sampled ids, runs stop checks, tells the scheduler. Returns seconds waited."""
     t = time.perf_counter()
-    tokens = jax.device_get(inflight.tokens)
+    tokens = jax.device_get(inflight.tokens).tolist()
     inflight.read_time = t_read = time.perf_counter()
+    if self.idle_probe is not None and inflight.probe_step >= 0:
+      self.idle_probe.read(inflight.probe_step)
     wait = t_read - t
     now = self.clock.now()
     new_tokens: dict[str, int] = {}
     finished: dict[str, str] = {}
-    for rid, row in inflight.rows:
+    for rid, row in inflight.rows.items():
       r = self._reqs[rid]
-      if r.finished:        # aborted while in flight: the token is discarded
+      if r.finished:        # aborted while in flight, or (zero-bubble) stopped at the step before
+        self.stats.discarded_tokens += r.finish_reason != FINISH_ABORT
         continue
-      tok = int(tokens[row])
+      tok = tokens[row]
       new_tokens[rid] = tok
       reason = self._append_token(r, tok, now)
       if reason is not None:
@@ -595,6 +705,11 @@ class LLMEngine:
     self._on_step_done(inflight.plan, new_tokens, finished, now)
     for rid, reason in finished.items():
       self._finish(self._reqs[rid], reason)
+    if self._release_after_step:
+      for rid in inflight.scheduled:
+        if rid in self._release_after_step:
+          self._release_after_step.discard(rid)
+          self.release(rid)
     self.stats.tokens_generated += len(new_tokens)
     self.stats.process_time_s += time.perf_counter() - t_read
     return wait
@@ -692,25 +807,14 @@ class LLMEngine:
     top = bucket(c.scheduler.max_num_batched_tokens)
     while True:
       n = min(num_tokens, self.max_model_len, self.num_device_blocks * c.block_size)
-      seqs = [([0] * n, 0, list(range(1, self.kv_spec.blocks_for_tokens(n) + 1)))]
-      batch = self._build_batch(seqs)
-      samp = sampling_lib.SamplingArrays.empty(int(batch.logits_indices.shape[0]))
-      packed, dims = packing.pack(batch, samp)
-      packed = jax.device_put(packed) if self.tp is None else self.tp.put(packed)
-      tokens, self.kv_cache = _jit_step(self.params, self.kv_cache, packed, dims=dims, **self._step_kwargs)
+      table = list(range(1, self.kv_spec.blocks_for_tokens(n) + 1))
+      packed, dims = self._host_batch.pack_from_scratch([SeqInput("", [0] * n, 0, table, -1, True, None, 0)])
+      tokens, self.kv_cache = _jit_step(self.params, self.kv_cache, self._put(packed), self._no_tokens,
+                                        dims=dims, **self._step_kwargs)
       jax.block_until_ready(tokens)
       if num_tokens >= top:
         return self.num_compiled_shapes()
       num_tokens *= 2
-
-  def _build_batch(self, seqs):
-    """Numpy ``BatchInputs`` for ``seqs`` = [(new token ids, num computed, block table)], padded to the
-    configured bucket floors; logits row i holds sequence i's last token."""
-    c = self.config
-    batch, _ = build_batch(seqs, c.block_size, logits="last", token_floor=c.token_bucket_floor,
-                           seq_floor=c.seq_bucket_floor, blocks_floor=c.blocks_bucket_floor,
-                           rows_floor=c.seq_bucket_floor)
-    return batch
 
   def precompile_rotation(self) -> None:
     """Compiles every rotation gather/scatter bucket now, so none compiles inside a timed run (the jit

@@ -110,7 +110,8 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
   """One ragged model step.
 
   Args:
-    params: stacked params (see ``superinfer_jax.model.params``).
+    params: stacked params (see ``superinfer_jax.model.params``); ``layers`` may also be a list of
+      per-layer dicts (the layer loop is then unrolled).
     kv_cache: ``[NB, L, 2, BS, Hkv, D]`` block-first cache (block 0 = padding).
     batch: ``BatchInputs`` (T tokens, S sequences, R logit rows).
     cfg: model config (static).
@@ -151,9 +152,15 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
                       * matmul(h, lp["w_up"], out=jnp.float32)).astype(h.dtype), lp["w_down"])
     return (x, kv), None
 
-  layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
   layer_windows = jnp.asarray(windows or (0,) * cfg.num_layers, jnp.int32)
-  (x, kv_cache), _ = jax.lax.scan(layer_body, (x, kv_cache), (params["layers"], layer_ids, layer_windows))
+  if isinstance(params["layers"], (list, tuple)):
+    # Per-layer dicts: an unrolled loop, each matmul reads its weight in place (the scan's dynamic-slice
+    # copies every layer's weights first: XLA CPU does not fuse it into the dot).
+    for layer, lp in enumerate(params["layers"]):
+      (x, kv_cache), _ = layer_body((x, kv_cache), (lp, layer, layer_windows[layer]))
+  else:
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, kv_cache), _ = jax.lax.scan(layer_body, (x, kv_cache), (params["layers"], layer_ids, layer_windows))
   x = rms_norm(x[batch.logits_indices], params["final_norm"], cfg.rms_norm_eps)   # [R, H]
   if cfg.tie_word_embeddings:
     logits = jnp.einsum("rh,vh->rv", x, params["embed"], preferred_element_type=jnp.float32)
