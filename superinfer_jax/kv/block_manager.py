@@ -244,16 +244,13 @@ class BlockManager:
     s = self._seqs[req_id]
     if s.on_host:
       return 0
-    bs = self.block_size
+    # Full blocks are dirty exactly when queued for write-back (write-back queue invariant): s.nwb of them;
+    # plus the partial tail block if its host copy lacks some of its computed tokens.
     nc = s.num_computed
-    nfull = nc // bs
-    ht = s.host_tokens
-    # Full blocks: dirty exactly when queued for write-back (write-back queue invariant), so count them only
-    # when some are queued.
-    n = nfull - ht[:nfull].count(bs) if s.nwb else 0
-    if nfull * bs < nc and ht[nfull] < nc - nfull * bs:
-      n += 1
-    return n
+    tail = nc % self.block_size
+    if tail and s.host_tokens[nc // self.block_size] < tail:
+      return s.nwb + 1
+    return s.nwb
 
   def block_table(self, req_id: ReqId) -> list[int]:
     s = self._seqs[req_id]
