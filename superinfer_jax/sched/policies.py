@@ -276,6 +276,11 @@ class RotationPolicy(Policy):
     out_copies = 0
     victim_ok = None if type(self).victim_ok is RotationPolicy.victim_ok else self.victim_ok
     copies_of = bm.swap_out_copies
+    # The out-budget check needs each victim's D2H copies only if they could add up to more than bx. A
+    # swap-out copies the request's full dirty blocks, which are queued for write-back, plus at most its
+    # tail block, so any set of victims copies at most pending_writebacks() + its size: when that bound
+    # fits, every check passes and the copies are not counted.
+    exact = bm.pending_writebacks() + len(sched.running) > bx
     for v in sched.running.values():
       if b_swap <= 0 and seats <= 0:
         break
@@ -289,11 +294,12 @@ class RotationPolicy(Policy):
       if (v.prompt_len + gen - v.num_computed_tokens != 1 or v._touched_step == step
           or gen <= v._gen_at_admit or gen >= v.max_tokens or v._admit_step > oldest_admit):
         continue
-      copies = copies_of(v.req_id)
-      if not (out_copies + copies <= bx or out_copies == 0):
-        continue
+      if exact:
+        copies = copies_of(v.req_id)
+        if not (out_copies + copies <= bx or out_copies == 0):
+          continue
+        out_copies += copies
       victims.append(v)
-      out_copies += copies
       b_swap -= (v.num_computed_tokens + bs - 1) // bs  # bm.num_blocks(rid): running => all computed
       seats -= 1
     return victims
