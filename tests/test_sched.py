@@ -612,16 +612,18 @@ def test_sorted_queue_matches_a_sorted_list(seed):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_lvf_merge_matches_heapq_merge(seed):
-  """RotaSched's two-way merge yields the order of heapq.merge with the (-VLT, -lag) key, ties to waiting."""
+  """RotaSched's two-way merge yields the order of heapq.merge with the (-VLT, -lag) key, ties to waiting;
+  its run-by-run form (bisection per run, alpha >= 0) and its element-wise form agree for any alpha."""
   import heapq
   import random
-  from superinfer_jax.sched.policies import _lvf_merge
+  from superinfer_jax.sched.policies import _lvf_merge, _lvf_merge_pairwise
   rng = random.Random(seed)
-  for _ in range(50):
-    now, alpha = rng.choice([0.0, 1.0, 2.5]), rng.choice([0.5, 1.0, 3.0])
+  for _ in range(200):
+    now, alpha = rng.choice([0.0, 1.0, 2.5]), rng.choice([0.0, 0.5, 1.0, 3.0])
     pick = lambda: float(rng.randint(0, 8)) / 2  # coarse, so VLT ties (ReLU at 0, equal lags) are common
-    w = sorted(((pick(),), i, f"w{i}") for i in range(rng.randint(0, 6)))
-    r = sorted(((pick(),), i, f"r{i}") for i in range(rng.randint(0, 6)))
+    size = rng.choice([6, 40])  # long queues give long runs
+    w = sorted(((pick(),), i, f"w{i}") for i in range(rng.randint(0, size)))
+    r = sorted(((pick(),), i, f"r{i}") for i in range(rng.randint(0, size)))
 
     def key(e, a):
       x = a * (now - e[0][0])
@@ -629,6 +631,9 @@ def test_lvf_merge_matches_heapq_merge(seed):
 
     expect = [e[2] for e in heapq.merge(w, r, key=lambda e: key(e, alpha if e[2][0] == "r" else 1.0))]
     assert list(_lvf_merge(w, r, now, alpha)) == expect
+    assert list(_lvf_merge_pairwise(w, r, now, alpha)) == expect
+    neg = -alpha - 0.5  # the rotary lag order reverses: the element-wise merge is used
+    assert list(_lvf_merge(w, r, now, neg)) == list(_lvf_merge_pairwise(w, r, now, neg))
 
 
 def test_request_sampling_its_last_token_in_flight_is_not_a_rotation_victim():
@@ -707,3 +712,13 @@ def test_sorted_queue_batch_ops_equal_one_by_one(seed):
   assert ids(qa) == ids(qb) and all(reqs_a[i]._qentry is None for i in pick)
   with pytest.raises(KeyError):
     qa.remove_many([reqs_a[pick[0]]])  # no longer queued
+  # A second batch with ascending keys: from the tail on (push_many's one-extend path) or starting below it.
+  more_a = [Request(100 + i, 1, 1, 0.0) for i in range(10)]
+  more_b = [Request(100 + i, 1, 1, 0.0) for i in range(10)]
+  base = rng.choice([0.5, 2.0, 3.0])
+  keys2 = sorted((base + rng.choice([0.0, 0.25]),) for _ in range(10))
+  qa.push_many(more_a, keys2)
+  for r, k in zip(more_b, keys2):
+    qb.push(r, k)
+  assert ids(qa) == ids(qb)
+  assert all(r._qentry is e for r, e in zip(more_a, [e for e in qa.entries() if e[2].req_id >= 100]))

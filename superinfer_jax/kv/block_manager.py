@@ -244,16 +244,13 @@ class BlockManager:
     s = self._seqs[req_id]
     if s.on_host:
       return 0
-    bs = self.block_size
+    # Full blocks are dirty exactly when queued for write-back (write-back queue invariant): s.nwb of them;
+    # plus the partial tail block if its host copy lacks some of its computed tokens.
     nc = s.num_computed
-    nfull = nc // bs
-    ht = s.host_tokens
-    # Full blocks: dirty exactly when queued for write-back (write-back queue invariant), so count them only
-    # when some are queued.
-    n = nfull - ht[:nfull].count(bs) if s.nwb else 0
-    if nfull * bs < nc and ht[nfull] < nc - nfull * bs:
-      n += 1
-    return n
+    tail = nc % self.block_size
+    if tail and s.host_tokens[nc // self.block_size] < tail:
+      return s.nwb + 1
+    return s.nwb
 
   def block_table(self, req_id: ReqId) -> list[int]:
     s = self._seqs[req_id]
@@ -449,8 +446,10 @@ class BlockManager:
     bs = self.block_size
     srcs = out.srcs
     dsts = out.dsts
+    start = len(srcs)  # every path appends its pairs to out's columns: pairs = len(srcs) - start
     dev_free = self._dev_free
-    done = moved = mirrors = 0
+    hfree = self._host_free
+    done = mirrors = 0
     for req_id in req_ids:
       s = seqs[req_id]
       if s.on_host:
@@ -466,9 +465,9 @@ class BlockManager:
         # block (the last one: no uncomputed slots beyond it) is the only dirty one. Same result as the
         # general path.
         h = host[nfull]
-        mirrors += s.nhost
+        mirrors += s.nhost  # its host blocks so far stop being mirrors of a resident request
         if h == NO_BLOCK:
-          if self._host_head == len(self._host_free):
+          if self._host_head == len(hfree):
             mirrors -= s.nhost
             break
           h = host[nfull] = self._take_host(1)[0]
@@ -481,16 +480,15 @@ class BlockManager:
         dev.clear()
         s.num_tokens = nc
         s.on_host = True
-        moved += 1
       elif (s.nwb == 1 and not tail and len(host) == nfull and nfull
             and (req_id, nfull - 1) in self._wb):
         # The computed tokens end on a block boundary and the last block filled after the last write-back:
         # it is the one dirty block (write-back queue invariant). Copy it and drop its queue entry.
         i = nfull - 1
         h = host[i]
-        mirrors += s.nhost
+        mirrors += s.nhost  # its host blocks so far stop being mirrors of a resident request
         if h == NO_BLOCK:
-          if self._host_head == len(self._host_free):
+          if self._host_head == len(hfree):
             mirrors -= s.nhost
             break
           h = host[i] = self._take_host(1)[0]
@@ -504,7 +502,6 @@ class BlockManager:
         dev_free += dev
         dev.clear()
         s.on_host = True
-        moved += 1
       elif not s.nwb and not tail and len(host) == nfull:
         # The computed tokens end on a block boundary and every full block has a clean host copy (no
         # write-back queued): nothing to copy; the device blocks are released (the general path's result).
@@ -513,14 +510,11 @@ class BlockManager:
         dev_free += dev
         dev.clear()
         s.on_host = True
-      else:
-        m = self._swap_out_general(req_id, s, out)
-        if m is None:
-          break
-        moved += m
+      elif self._swap_out_general(req_id, s, out) is None:
+        break
       done += 1
     self._mirror_blocks -= mirrors
-    return done, moved
+    return done, len(srcs) - start
 
   def _swap_out_general(self, req_id: ReqId, s: _Seq, out: PairList) -> int | None:
     """One swap-out by the general path: every dirty block copied, uncomputed slots dropped (None: the host

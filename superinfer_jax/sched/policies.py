@@ -57,8 +57,10 @@ the example through.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
+import operator
 from typing import Iterator
 
 from superinfer_jax.sched.request import Request, RequestState
@@ -274,6 +276,11 @@ class RotationPolicy(Policy):
     out_copies = 0
     victim_ok = None if type(self).victim_ok is RotationPolicy.victim_ok else self.victim_ok
     copies_of = bm.swap_out_copies
+    # The out-budget check needs each victim's D2H copies only if they could add up to more than bx. A
+    # swap-out copies the request's full dirty blocks, which are queued for write-back, plus at most its
+    # tail block, so any set of victims copies at most pending_writebacks() + its size: when that bound
+    # fits, every check passes and the copies are not counted.
+    exact = bm.pending_writebacks() + len(sched.running) > bx
     for v in sched.running.values():
       if b_swap <= 0 and seats <= 0:
         break
@@ -287,11 +294,12 @@ class RotationPolicy(Policy):
       if (v.prompt_len + gen - v.num_computed_tokens != 1 or v._touched_step == step
           or gen <= v._gen_at_admit or gen >= v.max_tokens or v._admit_step > oldest_admit):
         continue
-      copies = copies_of(v.req_id)
-      if not (out_copies + copies <= bx or out_copies == 0):
-        continue
+      if exact:
+        copies = copies_of(v.req_id)
+        if not (out_copies + copies <= bx or out_copies == 0):
+          continue
+        out_copies += copies
       victims.append(v)
-      out_copies += copies
       b_swap -= (v.num_computed_tokens + bs - 1) // bs  # bm.num_blocks(rid): running => all computed
       seats -= 1
     return victims
@@ -443,9 +451,48 @@ def _lvf_merge(waiting: list, rotary: list, now: float, alpha: float) -> Iterato
   The same order as ``heapq.merge(waiting, rotary, key=k)`` with ``k = (-VLT, -x)``, ``x`` the un-ReLU'd lag
   (``now - key`` for waiting, ``alpha * (now - key)`` for rotary), ties going to waiting. Since
   ``VLT = max(x, 0)`` is monotone in ``x``, ``(VLT, x)`` orders exactly as ``x`` does: rotary comes first iff
-  its ``x`` is strictly larger. A plain two-way merge that computes ``x`` only when a queue's head changes,
-  because the scan runs every step.
+  its ``x`` is strictly larger. The scan runs every step, so the merge works run by run: along a queue
+  ``x`` never grows (the keys ascend; float subtraction and, for ``alpha >= 0``, multiplication are
+  monotone), so the entries that go before the other queue's head form a prefix, found by bisection and
+  passed on as one slice. Per request only C code runs (``map``, ``chain``); Python work is per run.
+  A negative alpha reverses the rotary order of ``x``: then the plain element-wise merge is used.
   """
+  if alpha < 0:
+    return _lvf_merge_pairwise(waiting, rotary, now, alpha)
+  return itertools.chain.from_iterable(_lvf_runs(waiting, rotary, now, alpha))
+
+
+def _lvf_runs(waiting: list, rotary: list, now: float, alpha: float) -> Iterator:
+  """``_lvf_merge``'s runs (``alpha >= 0``): iterables of requests, alternately from each queue."""
+  nw = len(waiting)
+  nr = len(rotary)
+  i = j = 0
+  bisect_left = bisect.bisect_left
+  while i < nw and j < nr:
+    xw = now - waiting[i][0][0]
+    # Rotary entries that go before waiting[i]: those with alpha * (now - key) > xw (a prefix from j).
+    k = bisect_left(rotary, True, j, nr, key=lambda e: not alpha * (now - e[0][0]) > xw)
+    if k > j:
+      yield map(_REQ, rotary[j:k])
+      j = k
+      if j == nr:
+        break
+    xr = alpha * (now - rotary[j][0][0])
+    # Waiting entries that go before rotary[j]: those with not xr > now - key (a prefix from i, >= 1 long).
+    k = bisect_left(waiting, True, i + 1, nw, key=lambda e: xr > now - e[0][0])
+    yield map(_REQ, waiting[i:k])
+    i = k
+  if i < nw:
+    yield map(_REQ, waiting[i:])
+  if j < nr:
+    yield map(_REQ, rotary[j:])
+
+
+_REQ = operator.itemgetter(2)  # a queue entry's request
+
+
+def _lvf_merge_pairwise(waiting: list, rotary: list, now: float, alpha: float) -> Iterator[Request]:
+  """``_lvf_merge`` one entry at a time (any alpha): compares the two heads' ``x``, yields the larger."""
   nw = len(waiting)
   nr = len(rotary)
   i = j = 0

@@ -6,6 +6,7 @@ times), so a push is usually an append. Ascending = head. Pure Python (no JAX).
 from __future__ import annotations
 
 import bisect
+import operator
 from typing import Iterator
 
 from superinfer_jax.sched.request import Request
@@ -25,6 +26,16 @@ class SortedQueue:
     """Queues each ``r`` of ``rs`` under the matching key of ``keys``, in order; equal keys keep push order."""
     items = self._items
     seq = self._seq
+    n = len(keys)
+    if n > 1 and (not items or items[-1][0] <= keys[0]) and all(map(operator.le, keys, keys[1:])):
+      # Bulk path (a step's rotation victims share their last-token time): keys ascend from the tail, so
+      # every push is an append (what the loop below does): one extend, entries built in C.
+      entries = list(zip(keys, range(seq + 1, seq + n + 1), rs))
+      items += entries
+      for r, entry in zip(rs, entries):
+        r._qentry = entry
+      self._seq = seq + n
+      return
     for r, key in zip(rs, keys):
       seq += 1
       entry = (key, seq, r)

@@ -550,24 +550,25 @@ class Scheduler:
     """
     step = self._step
     bs = self.bm.block_size
-    budget = self._budget
-    seats = self.config.max_num_seqs - len(self.running)
+    max_seqs = self.config.max_num_seqs
+    budget = self._budget  # at the start of the current batch; each swap-in takes one token and one seat
+    room = min(budget, max_seqs - len(self.running))  # minus len(batch): tokens and seats both remain
     free = self.bm.num_free_device_blocks
     in_moved = self._in_moved
     admitted = 0
     batch = []  # rotary requests that fit, not yet swapped in
     for r in rs:
-      if budget <= 0 or seats <= 0:
+      if room <= 0:
         break
       if r.state is not ROTARY:
         if batch:
-          self._apply_swap_ins(batch, budget, in_moved)
+          self._apply_swap_ins(batch, budget - len(batch), in_moved)
           admitted += len(batch)
           batch = []
         if self.admit_waiting(r):
           admitted += 1
         budget = self._budget
-        seats = self.config.max_num_seqs - len(self.running)
+        room = min(budget, max_seqs - len(self.running))
         free = self.bm.num_free_device_blocks
         continue
       if r._touched_step == step:  # moved earlier in this step (rotated out in it: _out_step == step too)
@@ -583,12 +584,11 @@ class Scheduler:
       if need > free:
         continue
       free -= need
-      budget -= 1
-      seats -= 1
+      room -= 1
       in_moved += nblk
       batch.append(r)
     if batch:
-      self._apply_swap_ins(batch, budget, in_moved)
+      self._apply_swap_ins(batch, budget - len(batch), in_moved)
       admitted += len(batch)
     return admitted
 
