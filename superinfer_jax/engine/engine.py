@@ -519,15 +519,24 @@ class LLMEngine:
     self.stats.exposed_host_time_s += (t1 - t0) + (time.perf_counter() - t1 - wait)
     return wait
 
-  def _step_pipelined(self) -> float:
+  def _start_pipeline(self) -> bool:
+    """With nothing in flight: plan and dispatch a step without lookahead. False when the plan ran nothing
+    (it is then done: the caller's step returns)."""
+    plan = self._schedule(lookahead=False)
+    self._issue(plan)
+    self._inflight = self._dispatch(plan)
+    self._finish_if_empty(plan)
+    return self._inflight is not None
+
+  def _finish_if_empty(self, plan) -> None:
+    """A plan that dispatched nothing (no sequences) completes at once."""
     if self._inflight is None:
-      plan = self._schedule(lookahead=False)
-      self._issue(plan)
-      self._inflight = self._dispatch(plan)
-      if self._inflight is None:
-        self._on_step_done(plan, {}, {})
-        self._break_probe_chain()
-        return 0.0
+      self._on_step_done(plan, {}, {})
+      self._break_probe_chain()
+
+  def _step_pipelined(self) -> float:
+    if self._inflight is None and not self._start_pipeline():
+      return 0.0
     # Step k is running on the device: plan step k+1 and start its transfers meanwhile.
     next_plan = self._schedule(lookahead=True)
     self._issue(next_plan)
@@ -535,21 +544,13 @@ class LLMEngine:
     wait = self._complete(inflight)
     t_read = inflight.read_time
     self._inflight = self._dispatch(next_plan)
-    if self._inflight is None:
-      self._on_step_done(next_plan, {}, {})
-      self._break_probe_chain()
+    self._finish_if_empty(next_plan)
     self.stats.exposed_host_time_s += time.perf_counter() - t_read
     return wait
 
   def _step_zero_bubble(self) -> float:
-    if self._inflight is None:
-      plan = self._schedule(lookahead=False)
-      self._issue(plan)
-      self._inflight = self._dispatch(plan)
-      if self._inflight is None:
-        self._on_step_done(plan, {}, {})
-        self._break_probe_chain()
-        return 0.0
+    if self._inflight is None and not self._start_pipeline():
+      return 0.0
     # Step k is running: plan, issue and dispatch step k+1 (its fed tokens come from k's device output),
     # then read step k's ids.
     next_plan = self._schedule(lookahead=True)
@@ -557,9 +558,7 @@ class LLMEngine:
     inflight = self._inflight
     self._inflight = self._dispatch(next_plan, prev=inflight)
     wait = self._complete(inflight)
-    if self._inflight is None:
-      self._on_step_done(next_plan, {}, {})
-      self._break_probe_chain()
+    self._finish_if_empty(next_plan)
     return wait
 
   def _break_probe_chain(self) -> None:
