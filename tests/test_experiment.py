@@ -65,3 +65,20 @@ def test_run_experiment_rejects_unknown_policy(tiny_model_dir, tmp_path):
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert proc.returncode != 0 and "unknown policies ['nope']" in proc.stderr
+
+
+def test_run_sweep_hands_each_timed_engine_to_on_engine(tiny_model_dir, tmp_path):
+  """``on_engine`` sees every timed run's engine once, in run order (repeats interleaved ABBA), and not the
+  warm-up's; each engine runs the policy its label names."""
+  from superinfer_jax.engine.config import EngineConfig
+  from superinfer_jax.experiment.runner import SweepSpec, run_sweep
+  spec = SweepSpec(model=tiny_model_dir, dataset="synthetic", num_requests=3, rps="inf",
+                   policies="fcfs,rotasched", repeats=2, synthetic_prompt_len="uniform:8,12",
+                   synthetic_output_len="uniform:3,4", output_dir=str(tmp_path / "exp"), progress=False)
+  seen = []
+  rows = run_sweep(spec, EngineConfig.create(num_device_blocks=32, num_host_blocks=32, block_size=8,
+                                             max_num_seqs=4),
+                   on_engine=lambda engine, label: seen.append((label, engine.config.scheduler.policy,
+                                                                engine.has_unfinished())))
+  assert [r["policy"] for r in rows] == ["fcfs", "rotasched", "rotasched", "fcfs"]
+  assert seen == [(p, p, False) for p in ("fcfs", "rotasched", "rotasched", "fcfs")]

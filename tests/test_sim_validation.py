@@ -64,10 +64,9 @@ def test_recorder_on_a_real_engine(tiny_model_dir):
   from superinfer_jax.engine.config import EngineConfig, SamplingParams
   from superinfer_jax.engine import engine as engine_mod
   rec = v.StepRecorder()
-  with v.recording_engines(rec):
-    eng = engine_mod.LLMEngine(tiny_model_dir, EngineConfig.create(
-        num_device_blocks=64, num_host_blocks=0, block_size=8, max_num_seqs=4, max_num_batched_tokens=64))
-  assert engine_mod.LLMEngine is not type(eng) and isinstance(eng, engine_mod.LLMEngine)   # patch undone
+  eng = engine_mod.LLMEngine(tiny_model_dir, EngineConfig.create(
+      num_device_blocks=64, num_host_blocks=0, block_size=8, max_num_seqs=4, max_num_batched_tokens=64))
+  rec.attach(eng, eng.config.scheduler.policy)
   for n in (20, 9, 5):
     eng.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=4, ignore_eos=True))
   while eng.has_unfinished():

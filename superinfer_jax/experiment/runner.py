@@ -21,7 +21,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from superinfer_jax.configtree import knob
 from superinfer_jax.experiment import calibrate as calib
@@ -184,10 +184,13 @@ def _warm_up(model_tuple, engine_config, workload, progress: bool) -> tuple[int,
   return engine.num_device_blocks, (steps[2:] if len(steps) > 6 else steps), timer.cpu_share  # 2 fill the pipe
 
 
-def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[str, Any]]:
+def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None,
+              on_engine: Optional[Callable[[Any, str], None]] = None) -> list[dict[str, Any]]:
   """Runs every (policy, variant, rps, repeat) of ``spec`` with ``engine_config`` (policy overridden).
 
   ``model_tuple`` = (cfg, params, tokenizer) skips loading ``spec.model`` (tests pass tiny models).
+  ``on_engine(engine, label)`` is called with each timed run's engine (not the warm-up's), in run order,
+  before it serves anything (``sim/validation.py`` records every step through it).
   Returns the results rows (also appended to ``<output_dir>/results.jsonl``).
   """
   from superinfer_jax.engine.engine import LLMEngine  # pylint: disable=import-outside-toplevel
@@ -264,6 +267,8 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None) -> list[dict[
       label = variant_label(policy, variant)
       config = apply_variant(engine_config.replace(policy=policy), variant)
       engine = LLMEngine(model_tuple, config)
+      if on_engine is not None:
+        on_engine(engine, label)
       # A pool sized from free device memory is pinned after the first engine: later engines must not
       # size theirs from what an earlier engine's cache left free (every policy gets the same pool).
       engine_config = engine_config.replace(num_device_blocks=engine.num_device_blocks)

@@ -3,9 +3,9 @@
 ``scripts/simulate.py --validate`` (same flags as ``scripts/run_experiment.py``, plus the simulator's):
 
 1. Runs ``experiment.runner.run_sweep`` (the real sweep, unchanged) into ``<output_dir>/real``, with every
-   ``LLMEngine`` it builds recorded (``recording_engines``): each ``on_step_done`` of its scheduler stamps the
-   plan's time, the completion time and the batch the plan formed (``StepRecorder``; public attributes
-   only, the engine's code is not touched).
+   timed run's ``LLMEngine`` handed to a ``StepRecorder`` through ``run_sweep``'s ``on_engine`` hook: each
+   ``on_step_done`` of its scheduler stamps the plan's time, the completion time and the batch the plan
+   formed (public attributes only).
 2. For each timed run, fits the cost model's step formula (``calibration.fit_step_model``) to that run's
    back-to-back steps (``points_from_records``: a step whose plan was made at most ``max_gap_s`` after the
    previous step completed, i.e. no idle wait in between; its period = completion minus the previous
@@ -23,7 +23,6 @@ No JAX at import (the real sweep imports it when it runs).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
@@ -67,26 +66,6 @@ class StepRecorder:
     sched.on_step_done = on_step_done
     self.engines.append((label, records))
     return records
-
-
-@contextlib.contextmanager
-def recording_engines(recorder: StepRecorder):
-  """Within the block, every ``engine.engine.LLMEngine`` built (by name lookup in its module, as
-  ``experiment.runner`` builds them) is a subclass instance whose steps ``recorder`` records, labelled by its
-  policy."""
-  from superinfer_jax.engine import engine as engine_mod  # pylint: disable=import-outside-toplevel
-  base = engine_mod.LLMEngine
-
-  class RecordedEngine(base):   # pylint: disable=too-few-public-methods
-    def __init__(self, *args, **kwargs):
-      super().__init__(*args, **kwargs)
-      recorder.attach(self, self.config.scheduler.policy)
-
-  engine_mod.LLMEngine = RecordedEngine
-  try:
-    yield recorder
-  finally:
-    engine_mod.LLMEngine = base
 
 
 def points_from_records(records: Sequence[StepRecord], *, max_gap_s: float = 0.02,
@@ -199,10 +178,11 @@ def run_real(spec, engine_config) -> list[dict[str, Any]]:
   out = spec.output_dir
   fresh_output_dir(out)
   recorder = StepRecorder()
-  with recording_engines(recorder):
-    real_rows = run_sweep(dataclasses.replace(spec, output_dir=os.path.join(out, "real")), engine_config)
-  timed = recorder.engines[len(recorder.engines) - len(real_rows):]   # the warm-up engine comes first
-  for row, (policy, records) in zip(real_rows, timed):
+  real_rows = run_sweep(dataclasses.replace(spec, output_dir=os.path.join(out, "real")), engine_config,
+                        on_engine=lambda engine, _: recorder.attach(engine, engine.config.scheduler.policy))
+  if len(recorder.engines) != len(real_rows):
+    raise RuntimeError(f"{len(recorder.engines)} engines recorded for {len(real_rows)} results rows")
+  for row, (policy, records) in zip(real_rows, recorder.engines):
     if policy != (row.get("base_policy") or row["policy"]):
       raise RuntimeError(f"recorded engine {policy!r} does not match results row {row['policy']!r}")
     save_records(os.path.join(out, f"steps-{_slug(row)}.json"), row["policy"], records)
@@ -271,5 +251,5 @@ def validate(spec, engine_config, sim_config, *, command: str, log: Callable[[st
 
 
 __all__ = ["StepRecord", "StepRecorder", "ValidationResult", "compare", "comparison", "load_records",
-           "median_unbiased", "points_from_records", "recording_engines", "refit_profile", "run_real",
+           "median_unbiased", "points_from_records", "refit_profile", "run_real",
            "save_records", "validate"]
