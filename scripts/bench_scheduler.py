@@ -5,23 +5,31 @@ Setup: block size 16, a device pool sized for ``--device_blocks`` blocks, a host
 knobs (B_xfer = 2400, max_num_batched_tokens 8192, max_num_seqs 256). N requests (prompt 32..1024,
 output 32..512 tokens) arrive over the first second of a virtual clock; the loop warms up for
 ``--warmup`` steps, then runs ``--steps`` more and times their calls to ``schedule()`` (only that call;
-completing the step is not timed; the first step of each chunk, below, is not timed either). Finished requests are replaced so N stays constant. The workload is ``sched.replay.Replay`` (the
-``bench_1k`` replay scenario at the defaults).
+completing the step is not timed; nor are the first ``--rewarm`` steps of each chunk, below). Finished
+requests are replaced so N stays constant. The workload is ``sched.replay.Replay`` (the ``bench_1k`` replay
+scenario at the defaults).
 
   python scripts/bench_scheduler.py --policy=rotasched --num_requests=1000
 
 prints one JSON line per policy and run, ``{"policy", "num_requests", "mean_ms", "p99_ms", ...,
 "plan_hash"}``, then a summary line ``{"policy", "baseline", "p99_ratio", "mean_ratio", "p99_ratios",
 "loadavg_1m", ...}``. ``--baseline`` (default fcfs; empty: none) is timed on the same seeds in the same
-process. Each round (``--repeats`` rounds, seeds ``seed + i``) builds both replays, warms both up, then
-alternates their timed steps in chunks of ``--chunk`` steps (policy, baseline, policy, ...), so that a change
-in machine load (the box is shared) hits both policies alike rather than whichever ran in that second. The
-first step of every chunk is run but not timed: it refills the caches the other replay's chunk evicted, so
-no timed step pays for the interleaving (``steps`` in a row = timed calls, ``--steps`` minus one per chunk;
-every replay still runs ``--warmup + --steps`` steps, so ``plan_hash`` is that of a plain run).
+process. Each round (``--repeats`` rounds, seeds ``seed + i``) builds both replays and warms both up, then
+times the policy's steps and then the baseline's (policy, baseline, policy, baseline, ... over the rounds).
+The first ``--rewarm`` (3) timed-window steps of each run are run but not timed: they refill the caches the
+other replay evicted (measured: the first two steps after a switch cost up to 2x a steady step, for both
+policies). ``steps`` in a row = timed calls, ``--steps`` minus ``--rewarm`` per chunk; every replay still runs
+``--warmup + --steps`` steps, so ``plan_hash`` is that of a plain run.
+
+``--chunk=K`` (default 0: one chunk per run) alternates the two replays every ``K`` steps instead, so that a
+change in machine load hits both alike, each chunk starting with ``--rewarm`` untimed steps. Not the
+default: on this box it gave p99 ratios ~10% lower than one chunk per run in the same minutes (2026-12-01,
+1.88-2.13 vs 2.12-2.23, with the baseline's p99 higher), and with one re-warm step instead of three the
+cold steps after each switch landed in the top 1% of both policies and shrank the ratio further; a
+remaining cold-cache effect of that kind could not be ruled out.
 
 Summary: ``p50_ms`` / ``p99_ms`` / ``baseline_*`` and ``p99_ratio`` / ``mean_ratio`` are over every timed
-step of each policy in the run, pooled over the rounds (``samples`` steps each; with 3 x 490 samples the
+step of each policy in the run, pooled over the rounds (``samples`` steps each; with 3 x 497 samples the
 p99 is the 15th largest step, not the 5th of one round, so one noisy burst no longer decides it).
 ``p99_ratios`` are the per-round ratios (their spread shows the noise), ``median_round_p99_ratio`` their
 median, and ``best_p99_ratio`` the ratio of the lowest per-round p99 of each policy (this script's summary
@@ -67,8 +75,9 @@ flags.DEFINE_integer("device_blocks", 8192, "device pool size in 16-token blocks
 flags.DEFINE_integer("seed", 0, "random seed (round i uses seed + i)")
 flags.DEFINE_float("step_s", 0.05, "virtual seconds per step")
 flags.DEFINE_integer("repeats", 1, "rounds of timed runs (fresh state each, seeds seed..seed+repeats-1)")
-flags.DEFINE_integer("chunk", 50, "timed steps alternate between the policy and the baseline in chunks of this many "
-                     "steps (the first of each untimed); 0: each run's steps in one chunk")
+flags.DEFINE_integer("chunk", 0, "timed steps alternate between the policy and the baseline in chunks of this many "
+                     "steps (the first --rewarm of each untimed); 0: each run's steps in one chunk")
+flags.DEFINE_integer("rewarm", 3, "untimed steps at the start of each chunk (caches refill after the other replay ran)")
 flags.DEFINE_string("baseline", "fcfs", "policy timed side by side with --policy (empty: none)")
 flags.DEFINE_bool("plan_hashes", False, "print the plan hashes of every policy over the replay scenarios")
 flags.DEFINE_integer("hash_steps", 400, "steps per replay scenario for --plan_hashes")
@@ -91,8 +100,9 @@ def _p99(sorted_values: list) -> float:
 class _TimedRun:
   """One (policy, seed) replay whose ``schedule()`` calls are timed chunk by chunk (see the module docstring).
 
-  ``advance(n)`` runs the replay's next ``n`` steps; the first ``F.warmup`` steps of the run and the first step
-  of every call after the warm-up are not timed (that step refills the caches the other replay's chunk evicted).
+  ``advance(n)`` runs the replay's next ``n`` steps; the first ``F.warmup`` steps of the run and the first
+  ``F.rewarm`` steps of every call after the warm-up are not timed (they refill the caches the other replay's
+  chunk evicted).
   """
 
   def __init__(self, policy: str, seed: int):
@@ -129,7 +139,7 @@ class _TimedRun:
         dc = time.thread_time() - c0
         dt = time.perf_counter() - t0
         gc_state["in_step"] = False
-        if self.step >= F.warmup and i > 0:
+        if self.step >= F.warmup and i >= F.rewarm:
           self.times.append(dc)
           self.wall.append(dt)
           self.gc_times.append(gc_state["total"])
@@ -169,8 +179,9 @@ class _TimedRun:
 
 
 def _chunks(total: int, chunk: int) -> list[int]:
-  """``total`` steps as consecutive chunks of at most ``chunk`` (>= 2: each chunk's first step is untimed)."""
-  chunk = max(2, chunk)
+  """``total`` steps as consecutive chunks of at most ``chunk`` (> ``--rewarm``: each chunk's first steps are
+  untimed)."""
+  chunk = max(F.rewarm + 1, chunk)
   return [min(chunk, total - i) for i in range(0, total, chunk)]
 
 
@@ -186,7 +197,7 @@ def run_round(policies: list[str], seed: int) -> list[_TimedRun]:
 
 
 def compare(policy: str, baseline: str, repeats: int, seed: int) -> tuple[list, dict | None]:
-  """Rounds of both policies, interleaved chunk by chunk; returns (every run's row, the summary row or None)."""
+  """Rounds of both policies (chunks alternated within a round); returns (every run's row, the summary row or None)."""
   rows = []
   ratios = []
   samples = {policy: [], baseline: []}

@@ -66,7 +66,7 @@ def test_bench_scheduler_times_both_policies_and_reports_the_ratio():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = subprocess.run(
       [sys.executable, os.path.join(root, "scripts", "bench_scheduler.py"), "--policy=rotasched",
-       "--num_requests=60", "--device_blocks=256", "--steps=12", "--warmup=3", "--repeats=2", "--chunk=5"],
+       "--num_requests=60", "--device_blocks=256", "--steps=12", "--warmup=3", "--repeats=2", "--chunk=5", "--rewarm=1"],
       check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root}).stdout
   rows = [json.loads(line) for line in out.splitlines()]
   assert [r["policy"] for r in rows[:-1]] == ["rotasched", "fcfs", "rotasched", "fcfs"]
