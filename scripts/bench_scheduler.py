@@ -30,7 +30,7 @@ remaining cold-cache effect of that kind could not be ruled out.
 
 Summary: ``p50_ms`` / ``p99_ms`` / ``baseline_*`` and ``p99_ratio`` / ``mean_ratio`` are over every timed
 step of each policy in the run, pooled over the rounds (``samples`` steps each; with 3 x 497 samples the
-p99 is the 15th largest step, not the 5th of one round, so one noisy burst no longer decides it).
+p99 is the 15th largest step, not the 6th of one round, so one noisy burst no longer decides it).
 ``p99_ratios`` are the per-round ratios (their spread shows the noise), ``median_round_p99_ratio`` their
 median, and ``best_p99_ratio`` the ratio of the lowest per-round p99 of each policy (this script's summary
 before 2026-12-01 afternoon; it compares whichever round of each policy was luckiest). ``plan_hash`` is the
