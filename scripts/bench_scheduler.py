@@ -4,20 +4,38 @@ policy and a baseline policy side by side in one run, and reports the ratio of t
 Setup: block size 16, a device pool sized for ``--device_blocks`` blocks, a host pool 8x larger, the paper's
 knobs (B_xfer = 2400, max_num_batched_tokens 8192, max_num_seqs 256). N requests (prompt 32..1024,
 output 32..512 tokens) arrive over the first second of a virtual clock; the loop warms up for
-``--warmup`` steps, then times ``--steps`` calls to ``schedule()`` (only that call; completing the step is
-not timed). Finished requests are replaced so N stays constant. The workload is ``sched.replay.Replay`` (the
-``bench_1k`` replay scenario at the defaults).
+``--warmup`` steps, then runs ``--steps`` more and times their calls to ``schedule()`` (only that call;
+completing the step is not timed; nor are the first ``--rewarm`` steps of each chunk, below). Finished
+requests are replaced so N stays constant. The workload is ``sched.replay.Replay`` (the ``bench_1k`` replay
+scenario at the defaults).
 
   python scripts/bench_scheduler.py --policy=rotasched --num_requests=1000
 
 prints one JSON line per policy and run, ``{"policy", "num_requests", "mean_ms", "p99_ms", ...,
 "plan_hash"}``, then a summary line ``{"policy", "baseline", "p99_ratio", "mean_ratio", "p99_ratios",
-"loadavg_1m", ...}``. ``--baseline`` (default fcfs; empty: none) is timed on the same seeds, its runs
-interleaved with the policy's (policy, baseline, policy, baseline, ... for ``--repeats`` rounds) so that a
-change in machine load hits both; ``p99_ratio`` is the ratio of the best (lowest) p99 of each policy over
-the rounds, ``p99_ratios`` the per-round ratios (their spread shows the noise). ``plan_hash`` is the SHA-256
-of every plan of the run (``sched/replay.py``): equal hashes before and after a change mean identical
-decisions.
+"loadavg_1m", ...}``. ``--baseline`` (default fcfs; empty: none) is timed on the same seeds in the same
+process. Each round (``--repeats`` rounds, seeds ``seed + i``) builds both replays and warms both up, then
+times the policy's steps and then the baseline's (policy, baseline, policy, baseline, ... over the rounds).
+The first ``--rewarm`` (3) timed-window steps of each run are run but not timed: they refill the caches the
+other replay evicted (measured: the first two steps after a switch cost up to 2x a steady step, for both
+policies). ``steps`` in a row = timed calls, ``--steps`` minus ``--rewarm`` per chunk; every replay still runs
+``--warmup + --steps`` steps, so ``plan_hash`` is that of a plain run.
+
+``--chunk=K`` (default 0: one chunk per run) alternates the two replays every ``K`` steps instead, so that a
+change in machine load hits both alike, each chunk starting with ``--rewarm`` untimed steps. Not the
+default: on this box it gave p99 ratios ~10% lower than one chunk per run in the same minutes (2026-12-01,
+1.88-2.13 vs 2.12-2.23, with the baseline's p99 higher), and with one re-warm step instead of three the
+cold steps after each switch landed in the top 1% of both policies and shrank the ratio further; a
+remaining cold-cache effect of that kind could not be ruled out.
+
+Summary: ``p50_ms`` / ``p99_ms`` / ``baseline_*`` and ``p99_ratio`` / ``mean_ratio`` are over every timed
+step of each policy in the run, pooled over the rounds (``samples`` steps each; with 3 x 497 samples the
+p99 is the 15th largest step, not the 6th of one round, so one noisy burst no longer decides it).
+``p99_ratios`` are the per-round ratios (their spread shows the noise), ``median_round_p99_ratio`` their
+median, and ``best_p99_ratio`` the ratio of the lowest per-round p99 of each policy (this script's summary
+before 2026-12-01 afternoon; it compares whichever round of each policy was luckiest). ``plan_hash`` is the
+SHA-256 of every plan of the run (``sched/replay.py``): equal hashes before and after a change mean
+identical decisions.
 
 The cost of a step is O(running + blocks rotated + log N): with B_xfer = 2400 and heavy oversubscription
 rotasched moves up to 2400 blocks each way per step, and that bookkeeping dominates (see WORKSPACE_NOTES).
@@ -56,7 +74,10 @@ flags.DEFINE_integer("warmup", 200, "untimed steps first")
 flags.DEFINE_integer("device_blocks", 8192, "device pool size in 16-token blocks")
 flags.DEFINE_integer("seed", 0, "random seed (round i uses seed + i)")
 flags.DEFINE_float("step_s", 0.05, "virtual seconds per step")
-flags.DEFINE_integer("repeats", 1, "rounds of timed runs (fresh state each); the best p99 of each policy is kept")
+flags.DEFINE_integer("repeats", 1, "rounds of timed runs (fresh state each, seeds seed..seed+repeats-1)")
+flags.DEFINE_integer("chunk", 0, "timed steps alternate between the policy and the baseline in chunks of this many "
+                     "steps (the first --rewarm of each untimed); 0: each run's steps in one chunk")
+flags.DEFINE_integer("rewarm", 3, "untimed steps at the start of each chunk (caches refill after the other replay ran)")
 flags.DEFINE_string("baseline", "fcfs", "policy timed side by side with --policy (empty: none)")
 flags.DEFINE_bool("plan_hashes", False, "print the plan hashes of every policy over the replay scenarios")
 flags.DEFINE_integer("hash_steps", 400, "steps per replay scenario for --plan_hashes")
@@ -76,90 +97,134 @@ def _p99(sorted_values: list) -> float:
   return sorted_values[min(n - 1, int(0.99 * n))]
 
 
-def run_once(policy: str, seed: int) -> dict:
-  rp = replay.Replay(policy, scenario_from_flags(), seed)
-  sched = rp.sched
-  times = []
-  wall = []
-  gc_times = []
-  mix = {"running": 0, "waiting": 0, "rotary": 0}
-  gc_state = {"in_step": False, "start": 0.0, "total": 0.0}
+class _TimedRun:
+  """One (policy, seed) replay whose ``schedule()`` calls are timed chunk by chunk (see the module docstring).
 
-  def on_gc(phase, info):
-    del info
-    if gc_state["in_step"]:
-      if phase == "start":
-        gc_state["start"] = time.thread_time()
-      else:
-        gc_state["total"] += time.thread_time() - gc_state["start"]
+  ``advance(n)`` runs the replay's next ``n`` steps; the first ``F.warmup`` steps of the run and the first
+  ``F.rewarm`` steps of every call after the warm-up are not timed (they refill the caches the other replay's
+  chunk evicted).
+  """
 
-  gc.callbacks.append(on_gc)
-  try:
-    for step in range(F.warmup + F.steps):
-      gc_state["total"] = 0.0
-      gc_state["in_step"] = True
-      t0 = time.perf_counter()
-      c0 = time.thread_time()
-      plan = rp.schedule()
-      dc = time.thread_time() - c0
-      dt = time.perf_counter() - t0
-      gc_state["in_step"] = False
-      if step >= F.warmup:
-        times.append(dc)
-        wall.append(dt)
-        gc_times.append(gc_state["total"])
-        mix["running"] += sched.num_running
-        mix["waiting"] += sched.num_waiting
-        mix["rotary"] += sched.num_rotary
-      rp.complete(plan)
-  finally:
-    gc.callbacks.remove(on_gc)
-  ex_gc = sorted(t - g for t, g in zip(times, gc_times))
-  times.sort()
-  wall.sort()
-  n = len(times)
-  return {
-      "policy": policy,
-      "num_requests": F.num_requests,
-      "seed": seed,
-      "mean_ms": round(1e3 * sum(times) / n, 4),
-      "p50_ms": round(1e3 * times[n // 2], 4),
-      "p99_ms": round(1e3 * _p99(times), 4),
-      "wall_mean_ms": round(1e3 * sum(wall) / n, 4),
-      "wall_p99_ms": round(1e3 * _p99(wall), 4),
-      "gc_mean_ms": round(1e3 * sum(gc_times) / n, 4),
-      "p99_ms_ex_gc": round(1e3 * _p99(ex_gc), 4),
-      "mean_running": round(mix["running"] / n, 1),
-      "mean_waiting": round(mix["waiting"] / n, 1),
-      "mean_rotary": round(mix["rotary"] / n, 1),
-      "rotations": sched.totals["rotations_out"] + sched.totals["rotations_in"],
-      "recompute_preemptions": sched.totals["recompute_preemptions"],
-      "steps": n,
-      "plan_hash": rp.hexdigest(),
-  }
+  def __init__(self, policy: str, seed: int):
+    self.policy = policy
+    self.seed = seed
+    self.rp = replay.Replay(policy, scenario_from_flags(), seed)
+    self.step = 0
+    self.times = []
+    self.wall = []
+    self.gc_times = []
+    self.mix = {"running": 0, "waiting": 0, "rotary": 0}
+
+  def advance(self, n: int) -> None:
+    rp = self.rp
+    sched = rp.sched
+    gc_state = {"in_step": False, "start": 0.0, "total": 0.0}
+
+    def on_gc(phase, info):
+      del info
+      if gc_state["in_step"]:
+        if phase == "start":
+          gc_state["start"] = time.thread_time()
+        else:
+          gc_state["total"] += time.thread_time() - gc_state["start"]
+
+    gc.callbacks.append(on_gc)
+    try:
+      for i in range(n):
+        gc_state["total"] = 0.0
+        gc_state["in_step"] = True
+        t0 = time.perf_counter()
+        c0 = time.thread_time()
+        plan = rp.schedule()
+        dc = time.thread_time() - c0
+        dt = time.perf_counter() - t0
+        gc_state["in_step"] = False
+        if self.step >= F.warmup and i >= F.rewarm:
+          self.times.append(dc)
+          self.wall.append(dt)
+          self.gc_times.append(gc_state["total"])
+          self.mix["running"] += sched.num_running
+          self.mix["waiting"] += sched.num_waiting
+          self.mix["rotary"] += sched.num_rotary
+        self.step += 1
+        rp.complete(plan)
+    finally:
+      gc.callbacks.remove(on_gc)
+
+  def row(self) -> dict:
+    sched = self.rp.sched
+    ex_gc = sorted(t - g for t, g in zip(self.times, self.gc_times))
+    times = sorted(self.times)
+    wall = sorted(self.wall)
+    n = len(times)
+    return {
+        "policy": self.policy,
+        "num_requests": F.num_requests,
+        "seed": self.seed,
+        "mean_ms": round(1e3 * sum(times) / n, 4),
+        "p50_ms": round(1e3 * times[n // 2], 4),
+        "p99_ms": round(1e3 * _p99(times), 4),
+        "wall_mean_ms": round(1e3 * sum(wall) / n, 4),
+        "wall_p99_ms": round(1e3 * _p99(wall), 4),
+        "gc_mean_ms": round(1e3 * sum(self.gc_times) / n, 4),
+        "p99_ms_ex_gc": round(1e3 * _p99(ex_gc), 4),
+        "mean_running": round(self.mix["running"] / n, 1),
+        "mean_waiting": round(self.mix["waiting"] / n, 1),
+        "mean_rotary": round(self.mix["rotary"] / n, 1),
+        "rotations": sched.totals["rotations_out"] + sched.totals["rotations_in"],
+        "recompute_preemptions": sched.totals["recompute_preemptions"],
+        "steps": n,
+        "plan_hash": self.rp.hexdigest(),
+    }
+
+
+def _chunks(total: int, chunk: int) -> list[int]:
+  """``total`` steps as consecutive chunks of at most ``chunk`` (> ``--rewarm``: each chunk's first steps are
+  untimed)."""
+  chunk = max(F.rewarm + 1, chunk)
+  return [min(chunk, total - i) for i in range(0, total, chunk)]
+
+
+def run_round(policies: list[str], seed: int) -> list[_TimedRun]:
+  """One round: each policy's replay warmed up, then their timed steps alternated chunk by chunk."""
+  runs = [_TimedRun(p, seed) for p in policies]
+  for run in runs:
+    run.advance(F.warmup)
+  for n in _chunks(F.steps, F.chunk if F.chunk > 0 else F.steps):
+    for run in runs:
+      run.advance(n)
+  return runs
 
 
 def compare(policy: str, baseline: str, repeats: int, seed: int) -> tuple[list, dict | None]:
-  """Interleaved rounds of both policies; returns (every run's row, the summary row or None)."""
+  """Rounds of both policies (chunks alternated within a round); returns (every run's row, the summary row or None)."""
   rows = []
   ratios = []
+  samples = {policy: [], baseline: []}
   for i in range(repeats):
-    mine = run_once(policy, seed + i)
-    rows.append(mine)
+    runs = run_round([policy, baseline] if baseline else [policy], seed + i)
+    for run in runs:
+      rows.append(run.row())
+      samples[run.policy] += run.times
     if baseline:
-      base = run_once(baseline, seed + i)
-      rows.append(base)
-      ratios.append(round(mine["p99_ms"] / base["p99_ms"], 3))
+      ratios.append(round(rows[-2]["p99_ms"] / rows[-1]["p99_ms"], 3))
   if not baseline:
     return rows, None
-  best = {p: min((r for r in rows if r["policy"] == p), key=lambda r: r["p99_ms"]) for p in (policy, baseline)}
+  pooled = {p: sorted(samples[p]) for p in (policy, baseline)}
+  p99 = {p: 1e3 * _p99(v) for p, v in pooled.items()}
+  mean = {p: 1e3 * sum(v) / len(v) for p, v in pooled.items()}
+  best = {p: min(r["p99_ms"] for r in rows if r["policy"] == p) for p in (policy, baseline)}
   summary = {
       "policy": policy, "baseline": baseline, "num_requests": F.num_requests, "repeats": repeats,
-      "p50_ms": best[policy]["p50_ms"], "p99_ms": best[policy]["p99_ms"],
-      "baseline_p50_ms": best[baseline]["p50_ms"], "baseline_p99_ms": best[baseline]["p99_ms"],
-      "p99_ratio": round(best[policy]["p99_ms"] / best[baseline]["p99_ms"], 3),
-      "mean_ratio": round(best[policy]["mean_ms"] / best[baseline]["mean_ms"], 3),
+      "chunk": F.chunk, "samples": len(pooled[policy]),
+      "p50_ms": round(1e3 * pooled[policy][len(pooled[policy]) // 2], 4), "p99_ms": round(p99[policy], 4),
+      "baseline_p50_ms": round(1e3 * pooled[baseline][len(pooled[baseline]) // 2], 4),
+      "baseline_p99_ms": round(p99[baseline], 4),
+      "p99_ratio": round(p99[policy] / p99[baseline], 3),
+      "mean_ratio": round(mean[policy] / mean[baseline], 3),
       "p99_ratios": ratios,
+      "median_round_p99_ratio": sorted(ratios)[len(ratios) // 2],
+      "best_p99_ratio": round(best[policy] / best[baseline], 3),
       "loadavg_1m": os.getloadavg()[0],
   }
   return rows, summary

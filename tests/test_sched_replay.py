@@ -66,15 +66,24 @@ def test_bench_scheduler_times_both_policies_and_reports_the_ratio():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = subprocess.run(
       [sys.executable, os.path.join(root, "scripts", "bench_scheduler.py"), "--policy=rotasched",
-       "--num_requests=60", "--device_blocks=256", "--steps=12", "--warmup=3", "--repeats=2"],
+       "--num_requests=60", "--device_blocks=256", "--steps=12", "--warmup=3", "--repeats=2", "--chunk=5",
+       "--rewarm=1"],
       check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root}).stdout
   rows = [json.loads(line) for line in out.splitlines()]
   assert [r["policy"] for r in rows[:-1]] == ["rotasched", "fcfs", "rotasched", "fcfs"]
   assert [r["seed"] for r in rows[:-1]] == [0, 0, 1, 1]
   summary = rows[-1]
   assert summary["baseline"] == "fcfs" and len(summary["p99_ratios"]) == 2
+  # chunks of 5, 5 and 2 steps, the first (--rewarm=1) of each untimed: 9 timed steps per run, 18 per policy pooled
+  assert [r["steps"] for r in rows[:-1]] == [9] * 4 and summary["samples"] == 18
   best = {p: min(r["p99_ms"] for r in rows[:-1] if r["policy"] == p) for p in ("rotasched", "fcfs")}
-  assert summary["p99_ratio"] == round(best["rotasched"] / best["fcfs"], 3)
+  assert summary["best_p99_ratio"] == round(best["rotasched"] / best["fcfs"], 3)
+  ratio = summary["p99_ms"] / summary["baseline_p99_ms"]  # p99s rounded to 0.1 us
+  assert abs(summary["p99_ratio"] - ratio) < 1e-2 * ratio
+  # the pooled p99 (index int(0.99 * 18) = 17: the largest) is the largest per-run p99 of that policy here
+  worst = {p: max(r["p99_ms"] for r in rows[:-1] if r["policy"] == p) for p in ("rotasched", "fcfs")}
+  assert summary["p99_ms"] == worst["rotasched"] and summary["baseline_p99_ms"] == worst["fcfs"]
+  assert summary["median_round_p99_ratio"] in summary["p99_ratios"]
   # the same seed replays the same plans (the plan hash is of the workload, not of the timing)
   again = replay.Replay("rotasched", replay.Scenario(
       device_blocks=256, host_blocks=8 * 256, block_size=16, num_requests=60, prompt_len=(32, 1024),
