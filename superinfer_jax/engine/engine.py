@@ -8,8 +8,8 @@ One engine step (docs/architecture.md "One engine step"):
      write-back) from the cache returned by the last dispatched step, starts their copy to pinned host,
      and scatters the H2D blocks into the (donated) cache. Gather-before-scatter makes reusing a block
      freed by a swap-out in the same step safe.
-  3. ``build_batch`` (numpy) packs the ragged batch; ONE explicit ``jax.device_put`` moves it (and the
-     per-row sampling parameters) to the device; the jitted step runs the model on the donated cache and
+  3. ``build_batch`` (numpy) packs the ragged batch; ONE explicit transfer moves it (and the per-row
+     sampling parameters) to the device, inside the jitted call (``LLMEngine._call_step``); the jitted step runs the model on the donated cache and
      samples on device (``engine/sampling.py``).
   4. Only the sampled token ids come back (one explicit ``jax.device_get``); stop checks (eos unless
      ignore_eos, stop token ids, stop strings, max_tokens, context length) run on the host;
@@ -68,6 +68,7 @@ from superinfer_jax.kv.layout import BLOCK_FIRST
 from superinfer_jax.model import load_model, load_tokenizer
 from superinfer_jax.model.batch import bucket
 from superinfer_jax.model.forward import forward, init_kv_cache
+from superinfer_jax.model.fused import fuse_projections
 from superinfer_jax.model.tokenizer import encode_text
 from superinfer_jax.parallel import distributed
 from superinfer_jax.parallel.tensor_parallel import make_tensor_parallel
@@ -305,7 +306,12 @@ class LLMEngine:
     self.layer_loop = config.layer_loop
     if self.layer_loop == "auto":
       self.layer_loop = "unrolled" if jax.default_backend() == "cpu" else "scan"
-    self.params = _unstack_layers(params) if self.layer_loop == "unrolled" else params
+    if self.layer_loop == "unrolled":
+      # Unrolled (CPU): every leaf is a jit argument, so fuse q|k|v and gate|up first (model/fused.py;
+      # 272 -> 182 leaves for SmolLM2). Tensor-parallel params stay unfused: their specs shard each.
+      self.params = _unstack_layers(fuse_projections(params, run_cfg) if self.tp is None else params)
+    else:
+      self.params = params
     self.tokenizer = tokenizer if tokenizer is not None else tok
     self.eos_token_ids = frozenset(_eos_token_ids(cfg, self.tokenizer))
     self.max_model_len = min(config.model.max_model_len or cfg.max_position_embeddings,
@@ -625,6 +631,8 @@ class LLMEngine:
     pending = prev.rows if prev is not None else {}
     fresh = set(plan.rotated_in) | set(plan.admitted) if (plan.rotated_in or plan.admitted) else ()
     seqs: list[SeqInput] = []
+    rows: dict[str, int] = {}  # request id -> logits row, for each sequence that samples (row i = sequence i)
+    num_tokens = 0
     reqs = self._reqs
     for s in plan.scheduled:
       rid = s.req_id
@@ -652,6 +660,9 @@ class LLMEngine:
         tokens = () if stop - start == 1 else r.tokens(start, stop - 1)
       else:
         tokens = r.tokens(start, stop)
+      if sample:
+        rows[rid] = len(seqs)
+      num_tokens += stop - start
       seqs.append(SeqInput(rid, tokens, start, s.block_table, feed_row, rid in fresh,
                            r.sampling if sample else None, num_out + (feed_row >= 0)))
     if not seqs:
@@ -662,10 +673,8 @@ class LLMEngine:
     if R > self.out_rows:
       raise RuntimeError(f"plan has {len(seqs)} sequences: more than max_num_seqs "
                          f"({self.config.scheduler.max_num_seqs}) allows ({self.out_rows} output rows)")
-    packed = self._put(packed)             # the step's one explicit host->device transfer
     prev_tokens = prev.tokens if prev is not None else self._no_tokens
-    tokens, self.kv_cache = _jit_step(self.params, self.kv_cache, packed, prev_tokens, dims=dims,
-                                      **self._step_kwargs)
+    tokens, self.kv_cache = self._call_step(packed, prev_tokens, dims)
     probe_step = self.idle_probe.dispatched(tokens) if self.idle_probe is not None else -1
     # Start the sampled ids' device->host copy now, ahead of the next plan's swap-out copies (which depend
     # on this step too): reading them back must not wait behind a large rotation on a shared D2H stream.
@@ -673,12 +682,25 @@ class LLMEngine:
     st = self.stats
     st.model_steps += 1
     st.batch_rebuilds += self._host_batch.rebuilds - rebuilds
-    st.tokens_scheduled += sum(len(q.tokens) + (q.feed_row >= 0) for q in seqs)
-    rows = {q.key: i for i, q in enumerate(seqs) if q.sampling is not None}  # logits row i = sequence i
+    st.tokens_scheduled += num_tokens
     st.dispatch_time_s += time.perf_counter() - t0
     st.dispatch_cpu_time_s += time.thread_time() - c0
     return _InFlight(plan=plan, tokens=tokens, rows=rows, scheduled=[q.key for q in seqs],
                      probe_step=probe_step)
+
+  def _call_step(self, packed: np.ndarray, prev_tokens: jax.Array, dims) -> tuple[jax.Array, jax.Array]:
+    """Dispatches the jitted step on the donated cache; ``packed`` is the step's one host->device transfer.
+
+    Single device: the numpy buffer goes into the jitted call itself, whose C++ dispatch path copies it
+    (about 5 us on CPU, against 60-300 us for a separate ``jax.device_put``). That transfer is explicit:
+    it is allowed for this call only (``transfer_guard_host_to_device``), every other argument is already
+    on the device, so any other transfer stays caught by ``jax.transfer_guard("disallow")``. Tensor
+    parallel: ``packed`` is replicated on the mesh first."""
+    if self.tp is not None:
+      return _jit_step(self.params, self.kv_cache, self._put(packed), prev_tokens, dims=dims,
+                       **self._step_kwargs)
+    with jax.transfer_guard_host_to_device("allow"):
+      return _jit_step(self.params, self.kv_cache, packed, prev_tokens, dims=dims, **self._step_kwargs)
 
   def _complete(self, inflight: _InFlight) -> float:
     """Reads back step k's sampled ids, runs stop checks, tells the scheduler. Returns seconds waited."""
@@ -808,8 +830,7 @@ class LLMEngine:
       n = min(num_tokens, self.max_model_len, self.num_device_blocks * c.block_size)
       table = list(range(1, self.kv_spec.blocks_for_tokens(n) + 1))
       packed, dims = self._host_batch.pack_from_scratch([SeqInput("", [0] * n, 0, table, -1, True, None, 0)])
-      tokens, self.kv_cache = _jit_step(self.params, self.kv_cache, self._put(packed), self._no_tokens,
-                                        dims=dims, **self._step_kwargs)
+      tokens, self.kv_cache = self._call_step(packed, self._no_tokens, dims)
       jax.block_until_ready(tokens)
       if num_tokens >= top:
         return self.num_compiled_shapes()

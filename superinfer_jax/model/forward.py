@@ -23,6 +23,7 @@ from superinfer_jax.model.attention import resolve_attention
 from superinfer_jax.model.batch import BatchInputs
 from superinfer_jax.model.config import ModelConfig
 from superinfer_jax.model.moe import matmul, moe_mlp
+from superinfer_jax.model import fused
 from superinfer_jax.model.params import DTYPES
 
 
@@ -134,22 +135,21 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
   def layer_body(carry, xs):
     x, kv = carry
     lp, layer, window = xs
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = matmul(h, lp["wq"]), matmul(h, lp["wk"]), matmul(h, lp["wv"])
-    if cfg.qkv_bias:
-      q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    attn_norm, mlp_norm = fused.norms(lp)
+    h = rms_norm(x, attn_norm, cfg.rms_norm_eps)
+    q, k, v = fused.qkv(h, lp, cfg)
     q = apply_rope(q.reshape(T, Hq, D), cos, sin)
     k = apply_rope(k.reshape(T, Hkv, D), cos, sin)
     kv = write_kv(kv, layer, k, v.reshape(T, Hkv, D), batch.slot_mapping)
     kw = {} if windows is None else {"window": window}
     o = attn(q, kv, layer, batch.block_tables, batch.context_lens, batch.query_start_loc, scale=scale, **kw)
     x = x + matmul(o.reshape(T, Hq * D).astype(x.dtype), lp["wo"])
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    h = rms_norm(x, mlp_norm, cfg.rms_norm_eps)
     if cfg.is_moe:
       x = x + moe_mlp(h, lp, cfg.num_experts_per_token, impl=moe)
     else:
-      x = x + matmul((jax.nn.silu(matmul(h, lp["w_gate"], out=jnp.float32))
-                      * matmul(h, lp["w_up"], out=jnp.float32)).astype(h.dtype), lp["w_down"])
+      gate, up = fused.gate_up(h, lp)
+      x = x + matmul((jax.nn.silu(gate) * up).astype(h.dtype), lp["w_down"])
     return (x, kv), None
 
   layer_windows = jnp.asarray(windows or (0,) * cfg.num_layers, jnp.int32)
