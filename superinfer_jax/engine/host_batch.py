@@ -116,17 +116,17 @@ class HostBatch:
     if not self._decode_only or len(seqs) != len(self._keys):
       return False
     bs = self.block_size
-    starts, nblocks, tokens, feeds, steps = [], [], [], [], []
+    # One new token per sequence, all sampling: either fed (no host token) or exactly one host token.
     for s in seqs:
-      if s.sampling is None or len(s.tokens) + (s.feed_row >= 0) != 1:
+      if s.sampling is None or len(s.tokens) != (s.feed_row < 0):
         return False
-      starts.append(s.start)
-      nblocks.append(s.start // bs + 1)
-      tokens.append(0 if s.feed_row >= 0 else s.tokens[0])
-      feeds.append(s.feed_row)
-      steps.append(s.step)
+    starts = [s.start for s in seqs]
+    nblocks = [p // bs + 1 for p in starts]
     if bucket(max(nblocks), self.floors["blocks_floor"]) != self._dims[2]:
       return False
+    feeds = [s.feed_row for s in seqs]
+    tokens = [s.tokens[0] if s.tokens else 0 for s in seqs]
+    steps = [s.step for s in seqs]
     v = self._views
     tables = v["block_tables"]
     for i, (s, n, o, key) in enumerate(zip(seqs, nblocks, self._nblocks, self._keys)):
