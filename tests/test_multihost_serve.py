@@ -21,7 +21,8 @@ import time
 import numpy as np
 import pytest
 
-from superinfer_jax.engine.config import RequestOutput, SamplingParams
+from superinfer_jax.engine.config import SamplingParams
+from superinfer_jax.serving.testing import FakeEngine
 from superinfer_jax.parallel.events import (AbortEvent, AddEvent, EventBatch, EventChannel, bucket_size,
                                             decode_batch, encode_batch)
 
@@ -94,58 +95,31 @@ def test_channel_sends_process_zeros_batch_with_bounded_shapes():
 
 # --------------------------------------------------------------------------------- workers in lockstep
 
-class RecordingEngine:
-  """A deterministic fake engine (token-id prompts; one token per live request per step) that logs every
-  call that changes its state, with the arrival time it was given."""
+class RecordingEngine(FakeEngine):
+  """``FakeEngine`` that logs every call that changes its state, with the arrival time it was given, and
+  rejects a duplicate id or more than 10**6 tokens as the real engine rejects a bad request."""
 
   def __init__(self, clock=None):
-    from superinfer_jax.engine.engine import EngineStats
-    import types
-    self.tokenizer = None
-    self.max_model_len = 64
-    self.model_config = types.SimpleNamespace(vocab_size=100)
-    self.stats = EngineStats()
-    self.block_manager = types.SimpleNamespace(num_device_blocks=8, num_free_device_blocks=8, num_host_blocks=0,
-                                               num_free_host_blocks=0, check_invariants=lambda: None)
-    self.scheduler = types.SimpleNamespace(num_waiting=0, num_running=0, num_rotary=0)
-    self.replica = types.SimpleNamespace(local_now=clock or time.monotonic)
-    self.live, self.final, self.log, self.arrivals = {}, [], [], {}
+    super().__init__(clock)
+    self.log = []
 
   def add_request(self, prompt, params, request_id, ttft_slo=None, tbt_slo=None, arrival_time=None):
     if request_id in self.live or params.max_tokens > 10**6:
       self.log.append(("rejected", request_id))
       raise ValueError("too long")
-    self.live[request_id] = [params.max_tokens, 0]
-    self.arrivals[request_id] = arrival_time
+    super().add_request(prompt, params, request_id, ttft_slo, tbt_slo, arrival_time)
     self.log.append(("add", request_id, tuple(prompt), params.max_tokens, ttft_slo, arrival_time))
 
   def abort(self, rid):
     self.log.append(("abort", rid, rid in self.live))
-    if rid in self.live:
-      del self.live[rid]
-      self.final.append(RequestOutput(rid, [], "", [], finished=True, finish_reason="abort"))
-
-  def has_unfinished(self):
-    return bool(self.live or self.final)
-
-  def get_request(self, rid):
-    import types
-    return types.SimpleNamespace(arrival_time=self.arrivals[rid])
+    super().abort(rid)
 
   def release(self, rid):
     self.log.append(("release", rid))
 
   def step(self):
-    self.stats.steps += 1
     self.log.append(("step", tuple(sorted(self.live))))
-    outs, self.final = self.final, []
-    for rid, st in list(self.live.items()):
-      st[1] += 1
-      done = st[1] >= st[0]
-      outs.append(RequestOutput(rid, [st[1]], "", [0.0], finished=done, finish_reason="length" if done else None))
-      if done:
-        del self.live[rid]
-    return outs
+    return super().step()
 
 
 def test_workers_apply_the_same_events_before_the_same_steps():

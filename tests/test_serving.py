@@ -8,12 +8,11 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from superinfer_jax.engine.config import RequestOutput  # noqa: E402
-from superinfer_jax.engine.engine import EngineStats  # noqa: E402
 from superinfer_jax.serving import protocol as P  # noqa: E402
 from superinfer_jax.serving.app import build_app  # noqa: E402
 from superinfer_jax.serving.chat import FALLBACK_TEMPLATE, render_chat  # noqa: E402
 from superinfer_jax.serving.metrics import parse_metrics  # noqa: E402
+from superinfer_jax.serving.testing import FakeEngine  # noqa: E402
 
 
 def test_parse_request_defaults_and_errors():
@@ -54,57 +53,6 @@ def test_chat_templates():
   from superinfer_jax.serving.chat import ChatTemplateError
   with pytest.raises(ChatTemplateError, match="no system"):
     render_chat(types.SimpleNamespace(chat_template="{{ raise_exception('no system') }}"), msgs)
-
-
-class FakeEngine:
-  """Token-id prompts only; each step emits one token per live request; ``fail_next`` makes step() raise."""
-
-  def __init__(self):
-    self.tokenizer = None
-    self.max_model_len = 64
-    self.model_config = types.SimpleNamespace(vocab_size=100)
-    self.stats = EngineStats()
-    self.block_manager = types.SimpleNamespace(num_device_blocks=8, num_free_device_blocks=8, num_host_blocks=0,
-                                               num_free_host_blocks=0, check_invariants=lambda: None)
-    self.scheduler = types.SimpleNamespace(num_waiting=0, num_running=0, num_rotary=0)
-    self.live = {}
-    self.final = []
-    self.fail_next = 0
-
-  def add_request(self, prompt, params, request_id, ttft_slo=None, tbt_slo=None):
-    self.live[request_id] = [params.max_tokens, 0]
-    self.block_manager.num_free_device_blocks -= 1
-
-  def abort(self, rid):
-    if rid in self.live:
-      del self.live[rid]
-      self.block_manager.num_free_device_blocks += 1
-      self.final.append(RequestOutput(rid, [], "", [], finished=True, finish_reason="abort"))
-
-  def has_unfinished(self):
-    return bool(self.live or self.final)
-
-  def get_request(self, rid):
-    return types.SimpleNamespace(arrival_time=0.0)
-
-  def release(self, rid):
-    pass
-
-  def step(self):
-    self.stats.steps += 1
-    if self.fail_next:
-      self.fail_next -= 1
-      raise RuntimeError("boom")
-    outs, self.final = self.final, []
-    for rid, st in list(self.live.items()):
-      st[1] += 1
-      done = st[1] >= st[0]
-      outs.append(RequestOutput(rid, [st[1]], f" t{st[1]}", [float(self.stats.steps)], finished=done,
-                                finish_reason="length" if done else None))
-      if done:
-        del self.live[rid]
-        self.block_manager.num_free_device_blocks += 1
-    return outs
 
 
 def _post(c, body, path="/v1/completions"):

@@ -308,7 +308,7 @@ class LLMEngine:
       self.layer_loop = "unrolled" if jax.default_backend() == "cpu" else "scan"
     if self.layer_loop == "unrolled":
       # Unrolled (CPU): every leaf is a jit argument, so fuse q|k|v and gate|up first (model/fused.py;
-      # 272 -> 182 leaves for SmolLM2). Tensor-parallel params stay unfused: their specs shard each.
+      # 272 -> 152 leaves for SmolLM2). Tensor-parallel params stay unfused: their specs shard each.
       self.params = _unstack_layers(fuse_projections(params, run_cfg) if self.tp is None else params)
     else:
       self.params = params

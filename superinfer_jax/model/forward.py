@@ -111,8 +111,9 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
   """One ragged model step.
 
   Args:
-    params: stacked params (see ``superinfer_jax.model.params``); ``layers`` may also be a list of
-      per-layer dicts (the layer loop is then unrolled).
+    params: stacked params (see ``superinfer_jax.model.params``), or their fused layout
+      (``model/fused.py``); ``layers`` may also be a list of per-layer dicts (the layer loop is then
+      unrolled).
     kv_cache: ``[NB, L, 2, BS, Hkv, D]`` block-first cache (block 0 = padding).
     batch: ``BatchInputs`` (T tokens, S sequences, R logit rows).
     cfg: model config (static).
