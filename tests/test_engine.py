@@ -253,6 +253,19 @@ def test_no_implicit_transfers_in_step_loop(model):
     assert all(len(o.token_ids) == 10 for o in outs)
 
 
+def test_transfer_guard_check_follows_jax_setting():
+  # The step's numpy buffer skips the guard context only where jax allows host->device transfers silently.
+  from superinfer_jax.engine.engine import _host_to_device_allowed
+  assert _host_to_device_allowed()
+  with jax.transfer_guard("disallow"):
+    assert not _host_to_device_allowed()
+  with jax.transfer_guard_host_to_device("log"):
+    assert not _host_to_device_allowed()
+  with jax.transfer_guard_host_to_device("allow"):
+    assert _host_to_device_allowed()
+  assert _host_to_device_allowed()
+
+
 def test_bounded_compilations(model):
   eng = _engine(model, num_device_blocks=16)
   eng.generate(_prompts(6, seed=12), GREEDY)

@@ -202,12 +202,12 @@ class _Req:
   pending_text: str = ""
   pending_states: list[tuple[float, str]] = dataclasses.field(default_factory=list)
   reported_final: bool = False
+  # (temperature, top_k (0 = off), top_p, seed): the per-row sampling parameters of its steps (fixed).
+  sampling: tuple[float, int, float, int] = dataclasses.field(init=False)
 
-  @property
-  def sampling(self) -> tuple[float, int, float, int]:
-    """(temperature, top_k (0 = off), top_p, seed): the per-row sampling parameters of its steps."""
+  def __post_init__(self):
     p = self.params
-    return (p.temperature, max(p.top_k, 0), p.top_p, self.seed)
+    self.sampling = (p.temperature, max(p.top_k, 0), p.top_p, self.seed)
 
   @property
   def finished(self) -> bool:
@@ -240,14 +240,20 @@ class _InFlight:
   probe_step: int = -1                   # the idle probe's index of this step
 
 
-def _step_fn(params, kv_cache, packed, prev_tokens, *, dims, cfg, attention, logits_sharding=None):
+def _step_fn(params, kv_cache, packed, prev_tokens, *, dims, cfg, attention, logits_sharding=None,
+             params_def=None):
   """Model forward on the donated cache + on-device sampling. Returns (tokens[N] int32, kv_cache).
 
-  ``packed`` is the step's one int32 buffer (``engine/packing.py``) with batch dims ``dims`` (static);
-  ``prev_tokens`` [N] the previous step's sampled ids (on device), read where the buffer's feed says so.
-  The R sampled ids are padded with zeros to N, so every step's output can be the next one's input.
-  ``logits_sharding`` (tensor parallel): the vocab-sharded logits are gathered to it before sampling.
+  ``params``: the weights pytree, or (with ``params_def``, its static treedef) the tuple of its leaves:
+  the jitted call then flattens a flat tuple instead of nested dicts (the unrolled CPU layout has ~150
+  leaves, each dict sorted per call). ``packed`` is the step's one int32 buffer (``engine/packing.py``)
+  with batch dims ``dims`` (static); ``prev_tokens`` [N] the previous step's sampled ids (on device), read
+  where the buffer's feed says so. The R sampled ids are padded with zeros to N, so every step's output
+  can be the next one's input. ``logits_sharding`` (tensor parallel): the vocab-sharded logits are
+  gathered to it before sampling.
   """
+  if params_def is not None:
+    params = jax.tree.unflatten(params_def, params)
   batch, samp, feed = packing.unpack(packed, dims)
   batch = batch._replace(token_ids=packing.feed_tokens(batch.token_ids, feed, prev_tokens))
   logits, kv_cache = forward(params, kv_cache, batch, cfg, attention)
@@ -257,9 +263,30 @@ def _step_fn(params, kv_cache, packed, prev_tokens, *, dims, cfg, attention, log
   return jax.numpy.zeros_like(prev_tokens).at[:tokens.shape[0]].set(tokens), kv_cache
 
 
+def _guard_state():
+  """jax's host->device transfer-guard setting (a ``State`` whose ``value`` is None, "allow", "log",
+  "disallow", ...; thread-local contexts included), or None where this jax version keeps it elsewhere."""
+  try:
+    from jax._src import config as jax_config  # pylint: disable=import-outside-toplevel
+    state = jax_config.transfer_guard_host_to_device
+    state.value  # pylint: disable=pointless-statement
+    return state
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+_H2D_GUARD = _guard_state()
+
+
+def _host_to_device_allowed() -> bool:
+  """True when host->device transfers are allowed without a log line (jax's default), so the step's numpy
+  buffer can go into the jitted call without entering ``transfer_guard_host_to_device("allow")``."""
+  return _H2D_GUARD is not None and _H2D_GUARD.value in (None, "allow")
+
+
 # One jit for all engines in the process (cfg and attention static), so engines built on the same model and
 # bucket floors share compilations.
-_jit_step = jax.jit(_step_fn, static_argnames=("dims", "cfg", "attention", "logits_sharding"),
+_jit_step = jax.jit(_step_fn, static_argnames=("dims", "cfg", "attention", "logits_sharding", "params_def"),
                     donate_argnums=(1,))
 
 
@@ -278,6 +305,17 @@ class LLMEngine:
     idle_probe: optional ``engine.idle_probe.DeviceIdleProbe`` told of every dispatch and read-back (also
       settable later as ``engine.idle_probe``).
   """
+
+  @property
+  def params(self):
+    """The weights pytree the step runs on (the step passes its leaves, ``_param_leaves``)."""
+    return self._params
+
+  @params.setter
+  def params(self, params) -> None:
+    self._params = params
+    leaves, self._params_def = jax.tree.flatten(params)
+    self._param_leaves = tuple(leaves)
 
   def __init__(self, model: Any, config: Optional[EngineConfig] = None, clock: Any = None,
                tokenizer: Any = None, scheduler_factory: Any = None, idle_probe: Any = None):
@@ -338,6 +376,8 @@ class LLMEngine:
     # Rows of every step's sampled-ids output: the largest logits bucket a plan can have.
     self.out_rows = bucket(config.scheduler.max_num_seqs, config.seq_bucket_floor)
     self._no_tokens = self._put(np.zeros(self.out_rows, np.int32), commit=True)
+    # Start each step's sampled-ids read-back at dispatch (accelerators; see _dispatch).
+    self._early_readback = self._no_tokens.devices().pop().platform != "cpu"
     self._host_batch = HostBatch(config.block_size, token_floor=config.token_bucket_floor,
                                  seq_floor=config.seq_bucket_floor, blocks_floor=config.blocks_bucket_floor)
     self.idle_probe = idle_probe
@@ -678,7 +718,9 @@ class LLMEngine:
     probe_step = self.idle_probe.dispatched(tokens) if self.idle_probe is not None else -1
     # Start the sampled ids' device->host copy now, ahead of the next plan's swap-out copies (which depend
     # on this step too): reading them back must not wait behind a large rotation on a shared D2H stream.
-    tokens.copy_to_host_async()
+    # (The CPU backend has no such stream, and the call costs ~60 us of host time there.)
+    if self._early_readback:
+      tokens.copy_to_host_async()
     st = self.stats
     st.model_steps += 1
     st.batch_rebuilds += self._host_batch.rebuilds - rebuilds
@@ -693,14 +735,20 @@ class LLMEngine:
 
     Single device: the numpy buffer goes into the jitted call itself, whose C++ dispatch path copies it
     (about 5 us on CPU, against 60-300 us for a separate ``jax.device_put``). That transfer is explicit:
-    it is allowed for this call only (``transfer_guard_host_to_device``), every other argument is already
-    on the device, so any other transfer stays caught by ``jax.transfer_guard("disallow")``. Tensor
-    parallel: ``packed`` is replicated on the mesh first."""
+    under a transfer guard it is allowed for this call only (``transfer_guard_host_to_device``), every
+    other argument is already on the device, so any other transfer stays caught by
+    ``jax.transfer_guard("disallow")``; without a guard (jax's default) the context is skipped. The
+    weights go in as their flat leaf tuple (``params``). Tensor parallel: ``packed`` is replicated on the
+    mesh first."""
     if self.tp is not None:
-      return _jit_step(self.params, self.kv_cache, self._put(packed), prev_tokens, dims=dims,
-                       **self._step_kwargs)
+      return _jit_step(self._param_leaves, self.kv_cache, self._put(packed), prev_tokens, dims=dims,
+                       params_def=self._params_def, **self._step_kwargs)
+    if _host_to_device_allowed():  # entering the guard's context costs ~50 us per call: only when needed
+      return _jit_step(self._param_leaves, self.kv_cache, packed, prev_tokens, dims=dims,
+                       params_def=self._params_def, **self._step_kwargs)
     with jax.transfer_guard_host_to_device("allow"):
-      return _jit_step(self.params, self.kv_cache, packed, prev_tokens, dims=dims, **self._step_kwargs)
+      return _jit_step(self._param_leaves, self.kv_cache, packed, prev_tokens, dims=dims,
+                       params_def=self._params_def, **self._step_kwargs)
 
   def _complete(self, inflight: _InFlight) -> float:
     """Reads back step k's sampled ids, runs stop checks, tells the scheduler. Returns seconds waited."""
