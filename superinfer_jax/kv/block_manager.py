@@ -389,6 +389,23 @@ class BlockManager:
           wb[(req_id, i)] = None
           s.nwb += 1
 
+  def mark_computed_next(self, req_ids) -> None:
+    """``mark_computed(req_id, num_computed + 1)`` for each id in order (resident requests with an uncomputed
+    slot): the scheduler marks each swapped-in request's pending token with one call per batch."""
+    seqs = self._seqs
+    bs = self.block_size
+    wb = self._wb
+    for req_id in req_ids:
+      s = seqs[req_id]
+      c = s.num_computed + 1
+      if s.on_host or c > s.num_tokens:
+        raise ValueError(f"mark_computed_next({req_id!r}): swapped out, or no uncomputed slot "
+                         f"(computed {s.num_computed} of {s.num_tokens})")
+      s.num_computed = c
+      if not c % bs and s.host_tokens[c // bs - 1] < bs:  # the block c // bs - 1 just filled and is dirty
+        wb[(req_id, c // bs - 1)] = None
+        s.nwb += 1
+
   def pending_writebacks(self) -> int:
     return len(self._wb)
 

@@ -112,6 +112,8 @@ class Scheduler:
     # (unknown: recompute); _running_cut: this step's running loop stopped at the token budget.
     self._need: tuple[int, int] | None = None
     self._running_cut = False
+    # this step's swap-in batches: (index of the first in plan.scheduled, their ids, the requests)
+    self._swapins: list[tuple[int, list, list[Request]]] = []
 
   # ------------------------------------------------------------------ queries
   @property
@@ -242,6 +244,7 @@ class Scheduler:
     self._out_moved = 0
     self._in_moved = 0
     self._running_cut = False
+    self._swapins = []
     self.policy.schedule_step(self, plan, now)
     self._finalize(plan)
     self._plan = None
@@ -267,24 +270,43 @@ class Scheduler:
     track = self.policy.uses_running_needs
     bs = bm.block_size
     need_tok = need_blk = 0
-    for seq in plan.scheduled:
-      rid = seq.req_id
-      r = reqs[rid]
-      n = seq.num_new_tokens
-      new = seq.num_computed_tokens + n
-      mark(rid, new)
-      r.num_computed_tokens = new
-      if seq.sample:
+    scheduled = plan.scheduled
+    # The swap-in batches (_apply_swap_ins: spans of ``scheduled`` whose seqs each compute one pending token and
+    # sample) take a shorter path; the other seqs the general one. Both mark in plan order (write-back order).
+    spans = self._swapins
+    pos = 0
+    for start, rids, batch in (*spans, (len(scheduled), None, None)):
+      for seq in scheduled[pos:start] if spans else scheduled:
+        rid = seq.req_id
+        r = reqs[rid]
+        n = seq.num_new_tokens
+        new = seq.num_computed_tokens + n
+        mark(rid, new)
+        r.num_computed_tokens = new
+        if seq.sample:
+          r.inflight_samples += 1
+          if track and r.num_generated + r.inflight_samples < r.max_tokens:  # else will_finish: no need
+            need_tok += 1  # the sampled token's KV
+            if new % bs == 0:
+              need_blk += 1
+        elif track:  # a prefill chunk short of the known tokens
+          rem = r.prompt_len + r.num_generated + r.inflight_samples - new
+          need_tok += rem
+          need_blk += (new + rem + bs - 1) // bs - (new + bs - 1) // bs
+        total += n
+      if batch is None:
+        break
+      bm.mark_computed_next(rids)  # mark(rid, num_computed_tokens + 1) for each
+      for r in batch:  # the general path's updates for a sampled one-token seq
+        new = r.num_computed_tokens + 1
+        r.num_computed_tokens = new
         r.inflight_samples += 1
-        if track and r.num_generated + r.inflight_samples < r.max_tokens:  # else will_finish: no need
-          need_tok += 1  # the sampled token's KV
+        if track and r.num_generated + r.inflight_samples < r.max_tokens:
+          need_tok += 1
           if new % bs == 0:
             need_blk += 1
-      elif track:  # a prefill chunk short of the known tokens
-        rem = r.prompt_len + r.num_generated + r.inflight_samples - new
-        need_tok += rem
-        need_blk += (new + rem + bs - 1) // bs - (new + bs - 1) // bs
-      total += n
+      total += len(batch)
+      pos = start + len(batch)
     if track:
       self._need = (need_blk, need_tok) if not self._running_cut else None
     plan.num_batched_tokens = total
@@ -605,6 +627,7 @@ class Scheduler:
     now = self._now
     running = self.running
     emit = plan.scheduled.append
+    self._swapins.append((len(plan.scheduled), rids, batch))  # _finalize marks these seqs by a shorter path
     demand = 0
     for r, table in zip(batch, tables):
       demand += r._demand
