@@ -62,6 +62,8 @@ Mutations:
     returns False and changes nothing if the device pool lacks blocks. Raises on a swapped request.
   * ``mark_computed(req_id, num_computed_tokens)``: absolute count of tokens whose KV is written by a step
     already dispatched. Monotone, ``<= num_tokens``. Blocks that become full are queued for write-back.
+  * ``mark_computed_next(req_ids)``: ``mark_computed(req_id, num_computed + 1)`` for each id, in order (the
+    scheduler marks a swap-in batch's pending tokens with one call).
   * ``take_writebacks(max_blocks=None, min_free_host=0) -> PairList[(device, host)]``: eager write-back
     (docs/paper.md §4.4): D2H pairs for full, computed, dirty blocks of resident requests, oldest first. A block
     without a host copy gets a fresh host block; one with a stale copy (a tail block that filled up after a

@@ -560,7 +560,7 @@ class Scheduler:
     assert r.state is ROTARY, r
     return self.admit_in_order((r,), cap, round_trip) == 1
 
-  def admit_in_order(self, rs, cap: int | None = None, round_trip: bool = False) -> int:
+  def admit_in_order(self, rs, cap: int | None = None, round_trip: bool = False, prechecked: bool = False) -> int:
     """Admits ``rs`` in order, skipping those that do not fit now, until the token budget or the seats run
     out; returns how many were admitted. A rotary request is swapped in (``swap_in`` with ``cap`` and
     ``round_trip``), a waiting one gets a prefill chunk (``admit_waiting``). The same decisions as one
@@ -569,6 +569,10 @@ class Scheduler:
 
     A rotary request is in its decode phase (an invariant): its one pending token needs one slot
     (``planned_tokens - num_computed_tokens == 1``) and its host blocks cover exactly its computed tokens.
+
+    ``prechecked=True``: ``rs`` is this step's ``prioritize`` result and nothing was swapped in since (each
+    rotary one is untouched in this step, has nothing in flight, and its swap-in fits ``cap`` after the ones
+    before it in ``rs``, which admission only thins out), so those three checks always pass and are skipped.
     """
     step = self._step
     bs = self.bm.block_size
@@ -584,7 +588,7 @@ class Scheduler:
         break
       if r.state is not ROTARY:
         if batch:
-          self._apply_swap_ins(batch, budget - len(batch), in_moved)
+          self._apply_swap_ins(batch, budget - len(batch))
           admitted += len(batch)
           batch = []
         if self.admit_waiting(r):
@@ -592,6 +596,15 @@ class Scheduler:
         budget = self._budget
         room = min(budget, max_seqs - len(self.running))
         free = self.bm.num_free_device_blocks
+        in_moved = self._in_moved
+        continue
+      if prechecked:
+        need = r.num_computed_tokens // bs + 1  # device blocks for the computed tokens plus the pending slot
+        if need > free:
+          continue
+        free -= need
+        room -= 1
+        batch.append(r)
         continue
       if r._touched_step == step:  # moved earlier in this step (rotated out in it: _out_step == step too)
         if not round_trip or r._out_step != step:
@@ -610,16 +623,17 @@ class Scheduler:
       in_moved += nblk
       batch.append(r)
     if batch:
-      self._apply_swap_ins(batch, budget - len(batch), in_moved)
+      self._apply_swap_ins(batch, budget - len(batch))
       admitted += len(batch)
     return admitted
 
-  def _apply_swap_ins(self, batch: list[Request], budget: int, in_moved: int) -> None:
+  def _apply_swap_ins(self, batch: list[Request], budget: int) -> None:
     """Swaps in the rotary requests of ``batch`` (checked to fit): H2D pairs and the pending token's slot
-    from the block manager, ROTARY -> RUNNING, each scheduled for its pending token. ``budget`` and
-    ``in_moved`` are the token budget and swap-in volume after them."""
+    from the block manager, ROTARY -> RUNNING, each scheduled for its pending token. ``budget`` is the
+    token budget after them; the swap-in volume grows by their H2D pairs (one per host block)."""
     plan = self._plan
     rids = [r.req_id for r in batch]
+    pairs_before = len(plan.swap_in)
     tables = self.bm.swap_in_many(rids, 1, plan.swap_in)
     assert len(tables) == len(batch)
     self.rotary.remove_many(batch)  # _dequeue(r), inline (hot under rotation)
@@ -646,7 +660,7 @@ class Scheduler:
     plan.rotated_in += rids
     self._demand -= demand
     self._budget = budget
-    self._in_moved = in_moved
+    self._in_moved += len(plan.swap_in) - pairs_before
 
   def admit_waiting(self, r: Request) -> bool:
     """WAITING/PREEMPTED -> RUNNING with a prefill chunk. False (no change) if it does not fit now."""
