@@ -480,7 +480,7 @@ class Scheduler:
     while i < n:
       k, moved = bm.swap_out_many(rids[i:] if i else rids, out)
       if k:
-        self._rotated_out(victims[i:i + k], moved)
+        self._rotated_out(victims[i:i + k], moved, rids[i:i + k])
         rotated += k
         i += k
       if i == n:
@@ -490,15 +490,16 @@ class Scheduler:
       if self._reclaim_host_mirrors(bm.blocks_to_swap_out(r.req_id), r):
         moved = bm.swap_out_to(r.req_id, out)
       if moved is not None:
-        self._rotated_out([r], moved)
+        self._rotated_out([r], moved, [r.req_id])
         rotated += 1
       elif recompute_if_full:
         self.preempt(r)
       i += 1
     return rotated
 
-  def _rotated_out(self, rs: list[Request], moved: int) -> None:
-    """Bookkeeping of requests just swapped out (``moved`` D2H pairs in all): RUNNING -> ROTARY, queued."""
+  def _rotated_out(self, rs: list[Request], moved: int, rids: list) -> None:
+    """Bookkeeping of requests just swapped out (``moved`` D2H pairs in all; ``rids``: their ids): RUNNING ->
+    ROTARY, queued."""
     plan = self._plan
     step = self._step
     now = self._now
@@ -516,7 +517,7 @@ class Scheduler:
       r._demand = d
       demand += d
     self.rotary.push_many(rs, self.policy.rotary_keys(rs, self))  # keyed after the state change
-    plan.rotated_out += [r.req_id for r in rs]
+    plan.rotated_out += rids
     plan.residency_steps += residency
     self._out_moved += moved
     self._demand += demand
