@@ -18,6 +18,12 @@ Pools
   therefore implicit (1 off the free list, 0 on it), which keeps bulk allocation and release free of
   per-block bookkeeping. Prefix sharing would add an explicit count for shared blocks only.
 
+Host block ids are stored as ``array('i')`` (``HOST_IDS``): each request's ``host`` column and the host free
+list. Under rotation a step moves ~2,400 host ids into the swap-in copy list; with arrays that is a ``memcpy``
+into ``StepPlan.swap_in.srcs`` (an array too, ``kv/pairs.h2d_pairs``) instead of an incref of one of 65k cold
+int objects per id (last-level cache misses of ``schedule()`` -14%). Device ids stay ``list[int]``: block tables
+are lists for their callers, and ``block_table`` copies them every step.
+
 Per-request state
 -----------------
 A request owns a list of *logical blocks* ``0..n-1``; logical block ``i`` holds tokens
@@ -56,6 +62,8 @@ Mutations:
     returns False and changes nothing if the device pool lacks blocks. Raises on a swapped request.
   * ``mark_computed(req_id, num_computed_tokens)``: absolute count of tokens whose KV is written by a step
     already dispatched. Monotone, ``<= num_tokens``. Blocks that become full are queued for write-back.
+  * ``mark_computed_next(req_ids)``: ``mark_computed(req_id, num_computed + 1)`` for each id, in order (the
+    scheduler marks a swap-in batch's pending tokens with one call).
   * ``take_writebacks(max_blocks=None, min_free_host=0) -> PairList[(device, host)]``: eager write-back
     (docs/paper.md §4.4): D2H pairs for full, computed, dirty blocks of resident requests, oldest first. A block
     without a host copy gets a fresh host block; one with a stale copy (a tail block that filled up after a
@@ -114,13 +122,20 @@ Ordering contract (the rotation engine relies on it; see WORKSPACE_NOTES "Rotati
 from __future__ import annotations
 
 import collections
+from array import array
 from typing import Hashable
 
 from superinfer_jax.kv.layout import PADDING_BLOCK
 from superinfer_jax.kv.pairs import PairList
 
 NO_BLOCK = -1
-_NO_BLOCKS = (NO_BLOCK,) * 4096  # slices of it fill host tables (no host copy) in bulk
+HOST_IDS = "i"  # array typecode of host block-id columns (see the module docstring: "Host block ids")
+_NO_BLOCKS = array(HOST_IDS, [NO_BLOCK]) * 4096  # slices of it fill host tables (no host copy) in bulk
+
+
+def _no_blocks(n: int) -> array:
+  """``n`` NO_BLOCK host ids as a host-id array."""
+  return _NO_BLOCKS[:n] if n <= len(_NO_BLOCKS) else array(HOST_IDS, [NO_BLOCK]) * n
 
 ReqId = Hashable
 
@@ -132,7 +147,7 @@ class _Seq:
 
   def __init__(self):
     self.dev: list[int] = []
-    self.host: list[int] = []
+    self.host = array(HOST_IDS)  # host block ids (NO_BLOCK where none)
     self.host_tokens: list[int] = []
     self.num_tokens = 0
     self.num_computed = 0
@@ -157,7 +172,7 @@ class BlockManager:
     # FIFO free lists: the live part is ``_dev_free[_dev_head:]`` (see ``_take_dev``).
     self._dev_free: list[int] = list(range(1, num_device_blocks + 1))
     self._dev_head = 0
-    self._host_free: list[int] = list(range(num_host_blocks))
+    self._host_free = array(HOST_IDS, range(num_host_blocks))
     self._host_head = 0
     self._seqs: dict[ReqId, _Seq] = {}
     # Eager write-back queue: (req_id, logical block) of full, computed blocks of resident requests whose
@@ -259,7 +274,7 @@ class BlockManager:
     return s.dev[:]  # a fresh list (slicing is cheaper than list(); called for every scheduled seq)
 
   def host_block_table(self, req_id: ReqId) -> list[int]:
-    return list(self._seqs[req_id].host)
+    return self._seqs[req_id].host.tolist()
 
   # ---------------------------------------------------------------- helpers
   def _computed_in_block(self, s: _Seq, i: int) -> int:
@@ -295,7 +310,7 @@ class BlockManager:
     self._dev_head = end
     return out
 
-  def _take_host(self, n: int) -> list[int]:
+  def _take_host(self, n: int) -> array:
     """Pops the ``n`` head blocks of the host free list (caller checked there are enough)."""
     free = self._host_free
     end = self._host_head + n
@@ -312,7 +327,7 @@ class BlockManager:
 
   def _free_host_ids(self) -> list[int]:
     """The host free list, head first (a copy; for tests and debug)."""
-    return self._host_free[self._host_head:]
+    return self._host_free[self._host_head:].tolist()
 
   def _drop_wb(self, req_id: ReqId, s: _Seq) -> None:
     if not s.nwb:
@@ -350,7 +365,7 @@ class BlockManager:
         return False
     if need > 0:
       s.dev += self._take_dev(need)
-      s.host += [NO_BLOCK] * need
+      s.host += _no_blocks(need)
       s.host_tokens += [0] * need
     s.num_tokens += num_new_tokens
     return True
@@ -375,6 +390,23 @@ class BlockManager:
         if ht[i] < bs:
           wb[(req_id, i)] = None
           s.nwb += 1
+
+  def mark_computed_next(self, req_ids) -> None:
+    """``mark_computed(req_id, num_computed + 1)`` for each id in order (resident requests with an uncomputed
+    slot): the scheduler marks each swapped-in request's pending token with one call per batch."""
+    seqs = self._seqs
+    bs = self.block_size
+    wb = self._wb
+    for req_id in req_ids:
+      s = seqs[req_id]
+      c = s.num_computed + 1
+      if s.on_host or c > s.num_tokens:
+        raise ValueError(f"mark_computed_next({req_id!r}): swapped out, or no uncomputed slot "
+                         f"(computed {s.num_computed} of {s.num_tokens})")
+      s.num_computed = c
+      if not c % bs and s.host_tokens[c // bs - 1] < bs:  # the block c // bs - 1 just filled and is dirty
+        wb[(req_id, c // bs - 1)] = None
+        s.nwb += 1
 
   def pending_writebacks(self) -> int:
     return len(self._wb)
@@ -536,7 +568,7 @@ class BlockManager:
     if n < len(host):
       dropped = [h for h in host[n:] if h != NO_BLOCK]
       if dropped:
-        self._host_free += dropped
+        self._host_free += array(HOST_IDS, dropped)
         s.nhost -= len(dropped)
       del host[n:]
       del s.host_tokens[n:]
@@ -653,7 +685,7 @@ class BlockManager:
         dsts += devs
       else:
         dsts += devs[:n]
-        host += _NO_BLOCKS[:need - n] if need - n <= len(_NO_BLOCKS) else [NO_BLOCK] * (need - n)
+        host += _no_blocks(need - n)
         s.host_tokens += [0] * (need - n)
       s.on_host = False
       s.num_tokens = tokens
@@ -680,7 +712,7 @@ class BlockManager:
     if s.nhost == len(host):
       self._host_free += host
     elif s.nhost:
-      self._host_free += [h for h in host if h != NO_BLOCK]
+      self._host_free += array(HOST_IDS, [h for h in host if h != NO_BLOCK])
 
   def drop_host_mirrors(self, req_id: ReqId) -> int:
     """Releases the host copies of a *resident* request (they are redundant); returns blocks released.
@@ -698,8 +730,8 @@ class BlockManager:
     n = len(host)
     released = s.nhost
     # Release in logical-block order (as a per-block loop would), in bulk.
-    self._host_free += host if released == n else [h for h in host if h != NO_BLOCK]
-    host[:] = _NO_BLOCKS[:n] if n <= len(_NO_BLOCKS) else [NO_BLOCK] * n
+    self._host_free += host if released == n else array(HOST_IDS, [h for h in host if h != NO_BLOCK])
+    host[:] = _no_blocks(n)
     s.host_tokens[:] = [0] * n
     # Every full computed block is now dirty, so it must be queued for write-back. Blocks already queued keep
     # their place (dict.update does not move existing keys); new ones are appended in block order.

@@ -27,7 +27,9 @@ Not a ``list`` subclass: ``isinstance(p, list)`` is False (it is a ``collections
 """
 from __future__ import annotations
 
+import array
 import collections.abc
+import operator
 from typing import Iterable, Iterator, Sequence
 
 
@@ -130,7 +132,7 @@ class PairList:
 
   def __eq__(self, other) -> bool:
     if isinstance(other, PairList):
-      return self.srcs == other.srcs and self.dsts == other.dsts
+      return _col_eq(self.srcs, other.srcs) and _col_eq(self.dsts, other.dsts)
     if isinstance(other, list):
       if len(other) != len(self.srcs):
         return False
@@ -178,8 +180,8 @@ class PairList:
   def extend(self, pairs: Iterable[Sequence[int]]) -> None:
     """Appends ``pairs`` in order: column-wise if ``pairs`` is a PairList, else pair by pair."""
     if isinstance(pairs, PairList):
-      self.srcs += pairs.srcs
-      self.dsts += pairs.dsts
+      _col_extend(self.srcs, pairs.srcs)
+      _col_extend(self.dsts, pairs.dsts)
       return
     srcs = self.srcs
     dsts = self.dsts
@@ -202,6 +204,26 @@ class PairList:
 
 
 collections.abc.Sequence.register(PairList)
+
+
+def _col_eq(a, b) -> bool:
+  """Element-wise equality of two int columns (``list`` or ``array``; ``list == array`` is always False)."""
+  return a == b if type(a) is type(b) else len(a) == len(b) and all(map(operator.eq, a, b))
+
+
+def _col_extend(col, other) -> None:
+  """``col += other`` for int columns of either kind (an ``array`` cannot be extended with a ``list``)."""
+  if type(col) is type(other) or type(col) is list:
+    col += other
+  else:
+    col.fromlist(list(other))
+
+
+def h2d_pairs() -> PairList:
+  """An empty PairList whose ``srcs`` column is an ``array`` of host ids (``kv/block_manager.HOST_IDS``), so that
+  the block manager appends a swapped-in request's host ids (an ``array`` too) with one ``memcpy``: no Python
+  int is created or touched per block. ``dsts`` (device ids) is a ``list``."""
+  return PairList.from_columns(array.array("i"), [])
 
 EMPTY_COLUMNS = ((), ())
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Hashable
 
-from superinfer_jax.kv.pairs import PairList
+from superinfer_jax.kv.pairs import PairList, h2d_pairs
 
 
 class ScheduledSeq:
@@ -65,7 +65,7 @@ class StepPlan:
   lookahead: bool = False
   scheduled: list = dataclasses.field(default_factory=list)
   swap_out: PairList = dataclasses.field(default_factory=PairList)
-  swap_in: PairList = dataclasses.field(default_factory=PairList)
+  swap_in: PairList = dataclasses.field(default_factory=h2d_pairs)  # srcs: an array of host ids
   writeback: PairList = dataclasses.field(default_factory=PairList)
   rotated_out: list = dataclasses.field(default_factory=list)
   rotated_in: list = dataclasses.field(default_factory=list)

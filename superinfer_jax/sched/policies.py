@@ -313,7 +313,7 @@ class RotationPolicy(Policy):
     # falls back to recompute (opt-in; see SchedulerConfig).
     sched.rotate_out_many(victims, recompute_if_full=cfg.proactive_recompute)
     sched.schedule_running(self.reactive_mode, swap_cap=bx)
-    sched.admit_in_order(R, cap=bx)
+    sched.admit_in_order(R, cap=bx, prechecked=True)  # R: prioritize's, checked in this step
 
 
 class WaitingFirst(RotationPolicy):

@@ -112,6 +112,8 @@ class Scheduler:
     # (unknown: recompute); _running_cut: this step's running loop stopped at the token budget.
     self._need: tuple[int, int] | None = None
     self._running_cut = False
+    # this step's swap-in batches: (index of the first in plan.scheduled, their ids, the requests)
+    self._swapins: list[tuple[int, list, list[Request]]] = []
 
   # ------------------------------------------------------------------ queries
   @property
@@ -242,6 +244,7 @@ class Scheduler:
     self._out_moved = 0
     self._in_moved = 0
     self._running_cut = False
+    self._swapins = []
     self.policy.schedule_step(self, plan, now)
     self._finalize(plan)
     self._plan = None
@@ -267,24 +270,43 @@ class Scheduler:
     track = self.policy.uses_running_needs
     bs = bm.block_size
     need_tok = need_blk = 0
-    for seq in plan.scheduled:
-      rid = seq.req_id
-      r = reqs[rid]
-      n = seq.num_new_tokens
-      new = seq.num_computed_tokens + n
-      mark(rid, new)
-      r.num_computed_tokens = new
-      if seq.sample:
+    scheduled = plan.scheduled
+    # The swap-in batches (_apply_swap_ins: spans of ``scheduled`` whose seqs each compute one pending token and
+    # sample) take a shorter path; the other seqs the general one. Both mark in plan order (write-back order).
+    spans = self._swapins
+    pos = 0
+    for start, rids, batch in (*spans, (len(scheduled), None, None)):
+      for seq in scheduled[pos:start] if spans else scheduled:
+        rid = seq.req_id
+        r = reqs[rid]
+        n = seq.num_new_tokens
+        new = seq.num_computed_tokens + n
+        mark(rid, new)
+        r.num_computed_tokens = new
+        if seq.sample:
+          r.inflight_samples += 1
+          if track and r.num_generated + r.inflight_samples < r.max_tokens:  # else will_finish: no need
+            need_tok += 1  # the sampled token's KV
+            if new % bs == 0:
+              need_blk += 1
+        elif track:  # a prefill chunk short of the known tokens
+          rem = r.prompt_len + r.num_generated + r.inflight_samples - new
+          need_tok += rem
+          need_blk += (new + rem + bs - 1) // bs - (new + bs - 1) // bs
+        total += n
+      if batch is None:
+        break
+      bm.mark_computed_next(rids)  # mark(rid, num_computed_tokens + 1) for each
+      for r in batch:  # the general path's updates for a sampled one-token seq
+        new = r.num_computed_tokens + 1
+        r.num_computed_tokens = new
         r.inflight_samples += 1
-        if track and r.num_generated + r.inflight_samples < r.max_tokens:  # else will_finish: no need
-          need_tok += 1  # the sampled token's KV
+        if track and r.num_generated + r.inflight_samples < r.max_tokens:
+          need_tok += 1
           if new % bs == 0:
             need_blk += 1
-      elif track:  # a prefill chunk short of the known tokens
-        rem = r.prompt_len + r.num_generated + r.inflight_samples - new
-        need_tok += rem
-        need_blk += (new + rem + bs - 1) // bs - (new + bs - 1) // bs
-      total += n
+      total += len(batch)
+      pos = start + len(batch)
     if track:
       self._need = (need_blk, need_tok) if not self._running_cut else None
     plan.num_batched_tokens = total
@@ -458,7 +480,7 @@ class Scheduler:
     while i < n:
       k, moved = bm.swap_out_many(rids[i:] if i else rids, out)
       if k:
-        self._rotated_out(victims[i:i + k], moved)
+        self._rotated_out(victims[i:i + k], moved, rids[i:i + k])
         rotated += k
         i += k
       if i == n:
@@ -468,15 +490,16 @@ class Scheduler:
       if self._reclaim_host_mirrors(bm.blocks_to_swap_out(r.req_id), r):
         moved = bm.swap_out_to(r.req_id, out)
       if moved is not None:
-        self._rotated_out([r], moved)
+        self._rotated_out([r], moved, [r.req_id])
         rotated += 1
       elif recompute_if_full:
         self.preempt(r)
       i += 1
     return rotated
 
-  def _rotated_out(self, rs: list[Request], moved: int) -> None:
-    """Bookkeeping of requests just swapped out (``moved`` D2H pairs in all): RUNNING -> ROTARY, queued."""
+  def _rotated_out(self, rs: list[Request], moved: int, rids: list) -> None:
+    """Bookkeeping of requests just swapped out (``moved`` D2H pairs in all; ``rids``: their ids): RUNNING ->
+    ROTARY, queued."""
     plan = self._plan
     step = self._step
     now = self._now
@@ -494,7 +517,7 @@ class Scheduler:
       r._demand = d
       demand += d
     self.rotary.push_many(rs, self.policy.rotary_keys(rs, self))  # keyed after the state change
-    plan.rotated_out += [r.req_id for r in rs]
+    plan.rotated_out += rids
     plan.residency_steps += residency
     self._out_moved += moved
     self._demand += demand
@@ -538,7 +561,7 @@ class Scheduler:
     assert r.state is ROTARY, r
     return self.admit_in_order((r,), cap, round_trip) == 1
 
-  def admit_in_order(self, rs, cap: int | None = None, round_trip: bool = False) -> int:
+  def admit_in_order(self, rs, cap: int | None = None, round_trip: bool = False, prechecked: bool = False) -> int:
     """Admits ``rs`` in order, skipping those that do not fit now, until the token budget or the seats run
     out; returns how many were admitted. A rotary request is swapped in (``swap_in`` with ``cap`` and
     ``round_trip``), a waiting one gets a prefill chunk (``admit_waiting``). The same decisions as one
@@ -547,6 +570,10 @@ class Scheduler:
 
     A rotary request is in its decode phase (an invariant): its one pending token needs one slot
     (``planned_tokens - num_computed_tokens == 1``) and its host blocks cover exactly its computed tokens.
+
+    ``prechecked=True``: ``rs`` is this step's ``prioritize`` result and nothing was swapped in since (each
+    rotary one is untouched in this step, has nothing in flight, and its swap-in fits ``cap`` after the ones
+    before it in ``rs``, which admission only thins out), so those three checks always pass and are skipped.
     """
     step = self._step
     bs = self.bm.block_size
@@ -562,7 +589,7 @@ class Scheduler:
         break
       if r.state is not ROTARY:
         if batch:
-          self._apply_swap_ins(batch, budget - len(batch), in_moved)
+          self._apply_swap_ins(batch, budget - len(batch))
           admitted += len(batch)
           batch = []
         if self.admit_waiting(r):
@@ -570,6 +597,15 @@ class Scheduler:
         budget = self._budget
         room = min(budget, max_seqs - len(self.running))
         free = self.bm.num_free_device_blocks
+        in_moved = self._in_moved
+        continue
+      if prechecked:
+        need = r.num_computed_tokens // bs + 1  # device blocks for the computed tokens plus the pending slot
+        if need > free:
+          continue
+        free -= need
+        room -= 1
+        batch.append(r)
         continue
       if r._touched_step == step:  # moved earlier in this step (rotated out in it: _out_step == step too)
         if not round_trip or r._out_step != step:
@@ -588,16 +624,17 @@ class Scheduler:
       in_moved += nblk
       batch.append(r)
     if batch:
-      self._apply_swap_ins(batch, budget - len(batch), in_moved)
+      self._apply_swap_ins(batch, budget - len(batch))
       admitted += len(batch)
     return admitted
 
-  def _apply_swap_ins(self, batch: list[Request], budget: int, in_moved: int) -> None:
+  def _apply_swap_ins(self, batch: list[Request], budget: int) -> None:
     """Swaps in the rotary requests of ``batch`` (checked to fit): H2D pairs and the pending token's slot
-    from the block manager, ROTARY -> RUNNING, each scheduled for its pending token. ``budget`` and
-    ``in_moved`` are the token budget and swap-in volume after them."""
+    from the block manager, ROTARY -> RUNNING, each scheduled for its pending token. ``budget`` is the
+    token budget after them; the swap-in volume grows by their H2D pairs (one per host block)."""
     plan = self._plan
     rids = [r.req_id for r in batch]
+    pairs_before = len(plan.swap_in)
     tables = self.bm.swap_in_many(rids, 1, plan.swap_in)
     assert len(tables) == len(batch)
     self.rotary.remove_many(batch)  # _dequeue(r), inline (hot under rotation)
@@ -605,6 +642,7 @@ class Scheduler:
     now = self._now
     running = self.running
     emit = plan.scheduled.append
+    self._swapins.append((len(plan.scheduled), rids, batch))  # _finalize marks these seqs by a shorter path
     demand = 0
     for r, table in zip(batch, tables):
       demand += r._demand
@@ -623,7 +661,7 @@ class Scheduler:
     plan.rotated_in += rids
     self._demand -= demand
     self._budget = budget
-    self._in_moved = in_moved
+    self._in_moved += len(plan.swap_in) - pairs_before
 
   def admit_waiting(self, r: Request) -> bool:
     """WAITING/PREEMPTED -> RUNNING with a prefill chunk. False (no change) if it does not fit now."""
