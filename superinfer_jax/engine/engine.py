@@ -49,6 +49,7 @@ that thread).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -276,6 +277,7 @@ def _guard_state():
 
 
 _H2D_GUARD = _guard_state()
+_NO_GUARD = contextlib.nullcontext()  # reusable: the step call's context when no transfer guard applies
 
 
 def _host_to_device_allowed() -> bool:
@@ -741,12 +743,10 @@ class LLMEngine:
     weights go in as their flat leaf tuple (``params``). Tensor parallel: ``packed`` is replicated on the
     mesh first."""
     if self.tp is not None:
-      return _jit_step(self._param_leaves, self.kv_cache, self._put(packed), prev_tokens, dims=dims,
-                       params_def=self._params_def, **self._step_kwargs)
-    if _host_to_device_allowed():  # entering the guard's context costs ~50 us per call: only when needed
-      return _jit_step(self._param_leaves, self.kv_cache, packed, prev_tokens, dims=dims,
-                       params_def=self._params_def, **self._step_kwargs)
-    with jax.transfer_guard_host_to_device("allow"):
+      packed, guard = self._put(packed), _NO_GUARD
+    else:  # entering the guard's context costs ~50 us per call: only when a guard is set
+      guard = _NO_GUARD if _host_to_device_allowed() else jax.transfer_guard_host_to_device("allow")
+    with guard:
       return _jit_step(self._param_leaves, self.kv_cache, packed, prev_tokens, dims=dims,
                        params_def=self._params_def, **self._step_kwargs)
 

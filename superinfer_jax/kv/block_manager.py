@@ -126,10 +126,9 @@ from array import array
 from typing import Hashable
 
 from superinfer_jax.kv.layout import PADDING_BLOCK
-from superinfer_jax.kv.pairs import PairList
+from superinfer_jax.kv.pairs import HOST_IDS, PairList
 
 NO_BLOCK = -1
-HOST_IDS = "i"  # array typecode of host block-id columns (see the module docstring: "Host block ids")
 _NO_BLOCKS = array(HOST_IDS, [NO_BLOCK]) * 4096  # slices of it fill host tables (no host copy) in bulk
 
 

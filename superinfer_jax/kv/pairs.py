@@ -219,11 +219,14 @@ def _col_extend(col, other) -> None:
     col.fromlist(list(other))
 
 
+HOST_IDS = "i"  # array typecode of host block-id columns (the block manager's host lists, ``h2d_pairs().srcs``)
+
+
 def h2d_pairs() -> PairList:
-  """An empty PairList whose ``srcs`` column is an ``array`` of host ids (``kv/block_manager.HOST_IDS``), so that
+  """An empty PairList whose ``srcs`` column is an ``array`` of host ids (typecode ``HOST_IDS``), so that
   the block manager appends a swapped-in request's host ids (an ``array`` too) with one ``memcpy``: no Python
   int is created or touched per block. ``dsts`` (device ids) is a ``list``."""
-  return PairList.from_columns(array.array("i"), [])
+  return PairList.from_columns(array.array(HOST_IDS), [])
 
 EMPTY_COLUMNS = ((), ())
 
