@@ -60,3 +60,24 @@ def test_step_lowers_for_cuda_with_donated_cache(dtype):
   batch, _ = build_batch([([1, 2, 3], 5, [1, 2])], BS)
   text = step.trace(params, cache, batch, cfg, "reference").lower(lowering_platforms=("cuda",)).as_text()
   assert "tf.aliasing_output" in text or "jax.buffer_donor" in text   # kv_cache is donated
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_vocab_major_logits_are_the_transpose(tiny, tied):
+  """``logits_layout="vocab"`` returns ``[vocab, R]``: the same products as the default ``[R, vocab]`` (up to
+  summation order), for tied embeddings (the output weight is ``embed [V, H]``) and a separate ``lm_head``
+  (``[H, V]``); an unknown layout is refused."""
+  import dataclasses
+  cfg, params = tiny
+  if tied:
+    cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
+    params = {k: v for k, v in params.items() if k != "lm_head"}
+  assert ("lm_head" in params) != tied
+  seqs = [(list(range(1, 12)), 0, [1]), ([40, 41], 20, [2, 3]), ([7], 3, [4])]
+  batch, rows = build_batch(seqs, BS, token_floor=16, rows_floor=8)
+  rows_major, _ = step(params, init_kv_cache(cfg, 5, BS), batch, cfg, "reference")
+  vocab_major, _ = step(params, init_kv_cache(cfg, 5, BS), batch, cfg, "reference", logits_layout="vocab")
+  assert vocab_major.shape == (cfg.vocab_size, rows_major.shape[0]) and rows == 3
+  np.testing.assert_allclose(np.asarray(vocab_major).T, np.asarray(rows_major), atol=1e-5, rtol=1e-5)
+  with pytest.raises(ValueError, match="logits_layout"):
+    step(params, init_kv_cache(cfg, 5, BS), batch, cfg, "reference", logits_layout="columns")

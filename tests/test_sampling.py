@@ -116,3 +116,19 @@ def test_sampling_params_validation(kwargs, field):
 def test_sampling_params_normalises():
   sp = SamplingParams(stop="abc", stop_token_ids=[1, 2]).validate()
   assert sp.stop == ("abc",) and sp.stop_token_ids == (1, 2)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 5, 0.9)])
+def test_vocab_major_logits_sample_the_same_tokens(temperature, top_k, top_p):
+  """``vocab_major=True`` reads ``[V, R]`` logits (``forward(..., logits_layout="vocab")``): greedy and
+  sampled tokens equal those of the ``[R, V]`` layout, row by row (mixed greedy / random rows too)."""
+  lg = _logits(8, seed=5)
+  R = lg.shape[0]
+  temps = np.where(np.arange(R) % 3 == 0, 0.0, temperature).astype(np.float32)
+  args = (temps, np.full(R, top_k, np.int32), np.full(R, top_p, np.float32), np.full(R, 11, np.uint32),
+          np.arange(R, dtype=np.int32))
+  want = np.asarray(sample_jit(jnp.asarray(lg), *args))
+  got = np.asarray(sample_jit(jnp.asarray(lg.T.copy()), *args, vocab_major=True))
+  np.testing.assert_array_equal(got, want)
+  if temperature == 0.0:
+    np.testing.assert_array_equal(got, lg.argmax(-1))

@@ -242,7 +242,7 @@ class _InFlight:
 
 
 def _step_fn(params, kv_cache, packed, prev_tokens, *, dims, cfg, attention, logits_sharding=None,
-             params_def=None):
+             params_def=None, vocab_major_min_rows=0):
   """Model forward on the donated cache + on-device sampling. Returns (tokens[N] int32, kv_cache).
 
   ``params``: the weights pytree, or (with ``params_def``, its static treedef) the tuple of its leaves:
@@ -251,16 +251,20 @@ def _step_fn(params, kv_cache, packed, prev_tokens, *, dims, cfg, attention, log
   with batch dims ``dims`` (static); ``prev_tokens`` [N] the previous step's sampled ids (on device), read
   where the buffer's feed says so. The R sampled ids are padded with zeros to N, so every step's output
   can be the next one's input. ``logits_sharding`` (tensor parallel): the vocab-sharded logits are
-  gathered to it before sampling.
+  gathered to it before sampling. ``vocab_major_min_rows`` (static; 0: never): steps with at least this many
+  logit rows have ``forward`` return logits as ``[vocab, rows]`` (``logits_layout="vocab"``); sampling reads
+  either layout and gives the same tokens.
   """
   if params_def is not None:
     params = jax.tree.unflatten(params_def, params)
   batch, samp, feed = packing.unpack(packed, dims)
   batch = batch._replace(token_ids=packing.feed_tokens(batch.token_ids, feed, prev_tokens))
-  logits, kv_cache = forward(params, kv_cache, batch, cfg, attention)
+  rows = batch.logits_indices.shape[0]
+  logits_layout = "vocab" if 0 < vocab_major_min_rows <= rows else "rows"
+  logits, kv_cache = forward(params, kv_cache, batch, cfg, attention, logits_layout=logits_layout)
   if logits_sharding is not None:
     logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
-  tokens = sampling_lib.sample(logits, *samp)
+  tokens = sampling_lib.sample(logits, *samp, vocab_major=logits_layout == "vocab")
   return jax.numpy.zeros_like(prev_tokens).at[:tokens.shape[0]].set(tokens), kv_cache
 
 
@@ -288,7 +292,8 @@ def _host_to_device_allowed() -> bool:
 
 # One jit for all engines in the process (cfg and attention static), so engines built on the same model and
 # bucket floors share compilations.
-_jit_step = jax.jit(_step_fn, static_argnames=("dims", "cfg", "attention", "logits_sharding", "params_def"),
+_jit_step = jax.jit(_step_fn, static_argnames=("dims", "cfg", "attention", "logits_sharding", "params_def",
+                                               "vocab_major_min_rows"),
                     donate_argnums=(1,))
 
 
@@ -371,7 +376,11 @@ class LLMEngine:
     self.kv_cache = (init_kv_cache if self.tp is None else self.tp.init_kv_cache)(
         run_cfg, self.num_device_blocks + 1, config.block_size, config.model.dtype)
     self.duplex = self._make_duplex()
-    self._step_kwargs = dict(cfg=run_cfg, attention=config.model.attention)
+    # Logits as [vocab, rows] for buckets of >= 8 rows on CPU, where XLA's W_out . x^T plus a greedy argmax
+    # over axis 0 is faster than [rows, vocab] (docs/platform.md); [rows, vocab] elsewhere (GPUs: not
+    # measured yet).
+    self._step_kwargs = dict(cfg=run_cfg, attention=config.model.attention,
+                             vocab_major_min_rows=8 if jax.default_backend() == "cpu" else 0)
     if self.tp is not None:
       self._step_kwargs.update(attention=self.tp.attention(config.model.attention),
                                logits_sharding=self.tp.replicated)

@@ -73,10 +73,15 @@ def _filter_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-           seed: jax.Array, step: jax.Array) -> jax.Array:
-  """Samples one token per row. Shapes in the module docstring. Returns [R] int32 token ids."""
+           seed: jax.Array, step: jax.Array, vocab_major: bool = False) -> jax.Array:
+  """Samples one token per row. Shapes in the module docstring. Returns [R] int32 token ids.
+
+  ``vocab_major=True``: ``logits`` is ``[V, R]`` (``forward(..., logits_layout="vocab")``); the greedy argmax
+  runs over axis 0 in place and only the random path transposes it. The tokens are the same."""
   logits = logits.astype(jnp.float32)
-  greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  greedy_tokens = jnp.argmax(logits, axis=0 if vocab_major else -1).astype(jnp.int32)
+  if vocab_major:
+    logits = logits.T  # [R, V] for the random path (computed only inside its branch)
   is_greedy = temperature <= 0.0
 
   def random_path(_):
@@ -93,7 +98,7 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
   return jax.lax.cond(jnp.all(is_greedy), lambda _: greedy_tokens, random_path, None)
 
 
-sample_jit = jax.jit(sample)
+sample_jit = jax.jit(sample, static_argnames=("vocab_major",))
 
 
 def derive_seed(engine_seed: int, request_id: str) -> int:

@@ -106,8 +106,11 @@ def write_kv(kv_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
   return kv_cache.at[blocks, layer, :, offsets].set(kv)
 
 
+LOGITS_LAYOUTS = ("rows", "vocab")
+
+
 def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, attention="reference",
-            moe: str = "auto") -> tuple[jax.Array, jax.Array]:
+            moe: str = "auto", logits_layout: str = "rows") -> tuple[jax.Array, jax.Array]:
   """One ragged model step.
 
   Args:
@@ -121,9 +124,14 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
       with ``window=`` (a per-layer int32 scalar, <= 0 meaning full attention) only when ``cfg`` has
       sliding-window layers, so backends without that keyword serve every other model.
     moe: MoE formulation (static; ignored for dense models): see ``superinfer_jax.model.moe.MOE_IMPLS``.
+    logits_layout: "rows" (default): logits ``[R, vocab]``; "vocab": their transpose ``[vocab, R]``, computed
+      as ``W_out . x^T`` (static). On XLA CPU that product is faster for a few rows (measured in
+      docs/platform.md) and a greedy argmax over axis 0 reads it in place; the engine picks it on CPU.
   Returns:
-    ``(logits [R, vocab] float32, kv_cache with this step's K/V written)``.
+    ``(logits float32 in logits_layout, kv_cache with this step's K/V written)``.
   """
+  if logits_layout not in LOGITS_LAYOUTS:
+    raise ValueError(f"logits_layout must be one of {LOGITS_LAYOUTS}, got {logits_layout!r}")
   cfg.check_supported()
   attn = resolve_attention(attention)
   T = batch.token_ids.shape[0]
@@ -163,12 +171,20 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, kv_cache), _ = jax.lax.scan(layer_body, (x, kv_cache), (params["layers"], layer_ids, layer_windows))
   x = rms_norm(x[batch.logits_indices], params["final_norm"], cfg.rms_norm_eps)   # [R, H]
-  if cfg.tie_word_embeddings:
+  if logits_layout == "vocab":
+    # [V, R]: the output weight is the dot's left operand (embed [V, H] or lm_head [H, V]).
+    if cfg.tie_word_embeddings:
+      logits = jax.lax.dot_general(params["embed"], x, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+    else:
+      logits = jax.lax.dot_general(params["lm_head"], x, (((0,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+  elif cfg.tie_word_embeddings:
     logits = jnp.einsum("rh,vh->rv", x, params["embed"], preferred_element_type=jnp.float32)
   else:
     logits = jnp.dot(x, params["lm_head"], preferred_element_type=jnp.float32)
   return logits.astype(jnp.float32), kv_cache
 
 
-# Jitted ``forward``: ``kv_cache`` donated, ``cfg``, ``attention`` and ``moe`` static.
-step = jax.jit(forward, static_argnames=("cfg", "attention", "moe"), donate_argnames=("kv_cache",))
+# Jitted ``forward``: ``kv_cache`` donated, ``cfg``, ``attention``, ``moe`` and ``logits_layout`` static.
+step = jax.jit(forward, static_argnames=("cfg", "attention", "moe", "logits_layout"), donate_argnames=("kv_cache",))
