@@ -132,3 +132,22 @@ def test_vocab_major_logits_sample_the_same_tokens(temperature, top_k, top_p):
   np.testing.assert_array_equal(got, want)
   if temperature == 0.0:
     np.testing.assert_array_equal(got, lg.argmax(-1))
+
+
+def test_first_argmax_matches_jnp_argmax_with_ties_nan_and_inf():
+  """The greedy argmax (two plain reductions) equals ``jnp.argmax`` on both axes: ties go to the first index,
+  NaN counts as the maximum (first NaN wins), all -inf rows give 0, +inf wins."""
+  from superinfer_jax.engine.sampling import first_argmax
+  x = np.random.default_rng(0).normal(size=(7, 50)).astype(np.float32)
+  x[1, [3, 9]] = 10.0                      # tie
+  x[2, [4, 20]] = np.nan                   # NaNs
+  x[3] = -np.inf                           # all -inf
+  x[4, [5, 6]] = np.inf                    # +inf tie
+  x[5, 0] = x[5].max() + 1                 # first element
+  x[6, -1] = x[6].max() + 1                # last element
+  for axis, data in ((-1, x), (0, x.T.copy()), (1, x)):
+    got = np.asarray(jax.jit(first_argmax, static_argnums=1)(jnp.asarray(data), axis))
+    want = np.asarray(jnp.argmax(jnp.asarray(data), axis=axis))
+    np.testing.assert_array_equal(got, want)
+    assert got.dtype == np.int32
+  np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x), -1))[:7], [x[0].argmax(), 3, 4, 0, 5, 0, 49])
