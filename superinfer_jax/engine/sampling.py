@@ -92,11 +92,11 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
   runs over axis 0 in place and only the random path transposes it. The tokens are the same."""
   logits = logits.astype(jnp.float32)
   greedy_tokens = first_argmax(logits, axis=0 if vocab_major else -1)
-  if vocab_major:
-    logits = logits.T  # [R, V] for the random path (computed only inside its branch)
   is_greedy = temperature <= 0.0
 
-  def random_path(_):
+  def random_path(logits):
+    if vocab_major:
+      logits = logits.T  # [R, V], inside the branch: an all-greedy batch never transposes
     safe_t = jnp.where(is_greedy, 1.0, temperature)
     scaled = logits / safe_t[:, None]
     needs_filter = jnp.any(~is_greedy & (((top_k > 0) & (top_k < logits.shape[-1])) | (top_p < 1.0)))
@@ -107,7 +107,7 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     sampled = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
     return jnp.where(is_greedy, greedy_tokens, sampled)
 
-  return jax.lax.cond(jnp.all(is_greedy), lambda _: greedy_tokens, random_path, None)
+  return jax.lax.cond(jnp.all(is_greedy), lambda _: greedy_tokens, random_path, logits)
 
 
 sample_jit = jax.jit(sample, static_argnames=("vocab_major",))
