@@ -104,7 +104,7 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
                           scaled)
     keys = _row_keys(seed.astype(jnp.uint32), step.astype(jnp.int32))
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
-    sampled = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+    sampled = first_argmax(scaled + gumbel, axis=-1)
     return jnp.where(is_greedy, greedy_tokens, sampled)
 
   return jax.lax.cond(jnp.all(is_greedy), lambda _: greedy_tokens, random_path, logits)

@@ -171,18 +171,14 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, kv_cache), _ = jax.lax.scan(layer_body, (x, kv_cache), (params["layers"], layer_ids, layer_windows))
   x = rms_norm(x[batch.logits_indices], params["final_norm"], cfg.rms_norm_eps)   # [R, H]
-  if logits_layout == "vocab":
-    # [V, R]: the output weight is the dot's left operand (embed [V, H] or lm_head [H, V]).
-    if cfg.tie_word_embeddings:
-      logits = jax.lax.dot_general(params["embed"], x, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-    else:
-      logits = jax.lax.dot_general(params["lm_head"], x, (((0,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-  elif cfg.tie_word_embeddings:
-    logits = jnp.einsum("rh,vh->rv", x, params["embed"], preferred_element_type=jnp.float32)
-  else:
-    logits = jnp.dot(x, params["lm_head"], preferred_element_type=jnp.float32)
+  # Output weight: embed [V, H] (tied) or lm_head [H, V]; h_axis is its hidden axis, contracted with x's.
+  w_out, h_axis = (params["embed"], 1) if cfg.tie_word_embeddings else (params["lm_head"], 0)
+  if logits_layout == "vocab":   # [V, R]: the weight is the dot's left operand
+    dims = (((h_axis,), (1,)), ((), ()))
+    logits = jax.lax.dot_general(w_out, x, dims, preferred_element_type=jnp.float32)
+  else:                          # [R, V]
+    dims = (((1,), (h_axis,)), ((), ()))
+    logits = jax.lax.dot_general(x, w_out, dims, preferred_element_type=jnp.float32)
   return logits.astype(jnp.float32), kv_cache
 
 
