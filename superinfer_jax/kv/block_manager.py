@@ -660,41 +660,39 @@ class BlockManager:
     bs = self.block_size
     srcs = out.srcs
     dsts = out.dsts
+    start = len(srcs)
     free = self._dev_free
     head = self._dev_head
-    avail = len(free) - head
+    nfree = len(free)
     tables = []
-    mirrors = 0
     for req_id in req_ids:
       s = seqs[req_id]
       if not s.on_host:
         raise ValueError(f"request {req_id!r} is not swapped out")
       host = s.host
-      n = len(host)
       tokens = s.num_tokens + num_new_tokens
-      need = (tokens + bs - 1) // bs  # >= n: a swapped request's blocks cover exactly its tokens
-      if need > avail:
+      end = head + (tokens + bs - 1) // bs  # blocks >= len(host): a swapped request's blocks cover its tokens
+      if end > nfree:
         break
-      avail -= need
-      devs = free[head:head + need]  # _take_dev(need), inline (the free list's head, in order)
-      head += need
+      devs = free[head:end]  # _take_dev(need), inline (the free list's head, in order)
       s.dev += devs  # in place (see swap_out; it was empty)
       srcs += host
-      if need == n:
+      if end - head == len(host):
         dsts += devs
       else:
+        n = len(host)
         dsts += devs[:n]
-        host += _no_blocks(need - n)
-        s.host_tokens += [0] * (need - n)
+        host += _no_blocks(end - head - n)
+        s.host_tokens += [0] * (end - head - n)
+      head = end
       s.on_host = False
       s.num_tokens = tokens
-      mirrors += n  # every host block of a swapped request is now a clean mirror
       tables.append(devs)
-    if head + head >= len(free):  # compact as _take_dev does (the consumed prefix is at least half)
+    if head + head >= nfree:  # compact as _take_dev does (the consumed prefix is at least half)
       del free[:head]
       head = 0
     self._dev_head = head
-    self._mirror_blocks += mirrors
+    self._mirror_blocks += len(srcs) - start  # every host block of a swapped request is now a clean mirror
     return tables
 
   def free(self, req_id: ReqId) -> None:

@@ -65,6 +65,8 @@ except that a single request larger than B_xfer may move alone (otherwise it cou
 """
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Hashable
 
 from superinfer_jax.kv.block_manager import BlockManager
@@ -78,6 +80,11 @@ RUNNING = RequestState.RUNNING
 WAITING = RequestState.WAITING
 ROTARY = RequestState.ROTARY
 PREEMPTED = RequestState.PREEMPTED
+_STATE = operator.attrgetter("state")
+_DEMAND = operator.attrgetter("_demand")
+_REQ_ID = operator.attrgetter("req_id")
+_COMPUTED = operator.attrgetter("num_computed_tokens")
+_ADMIT_STEP = operator.attrgetter("_admit_step")
 
 
 class Scheduler:
@@ -114,6 +121,7 @@ class Scheduler:
     self._running_cut = False
     # this step's swap-in batches: (index of the first in plan.scheduled, their ids, the requests)
     self._swapins: list[tuple[int, list, list[Request]]] = []
+    self._swapin_need = [0, 0]  # (blocks, tokens) the swap-in batches' requests need next step (running_needs)
 
   # ------------------------------------------------------------------ queries
   @property
@@ -245,6 +253,7 @@ class Scheduler:
     self._in_moved = 0
     self._running_cut = False
     self._swapins = []
+    self._swapin_need = [0, 0]
     self.policy.schedule_step(self, plan, now)
     self._finalize(plan)
     self._plan = None
@@ -296,17 +305,12 @@ class Scheduler:
         total += n
       if batch is None:
         break
-      bm.mark_computed_next(rids)  # mark(rid, num_computed_tokens + 1) for each
-      for r in batch:  # the general path's updates for a sampled one-token seq
-        new = r.num_computed_tokens + 1
-        r.num_computed_tokens = new
-        r.inflight_samples += 1
-        if track and r.num_generated + r.inflight_samples < r.max_tokens:
-          need_tok += 1
-          if new % bs == 0:
-            need_blk += 1
+      bm.mark_computed_next(rids)  # mark(rid, num_computed_tokens + 1) for each (fields: _apply_swap_ins)
       total += len(batch)
       pos = start + len(batch)
+    if spans:
+      need_blk += self._swapin_need[0]
+      need_tok += self._swapin_need[1]
     if track:
       self._need = (need_blk, need_tok) if not self._running_cut else None
     plan.num_batched_tokens = total
@@ -474,7 +478,7 @@ class Scheduler:
     """
     bm = self.bm
     out = self._plan.swap_out
-    rids = [v.req_id for v in victims]
+    rids = list(map(_REQ_ID, victims))
     n = len(victims)
     i = rotated = 0
     while i < n:
@@ -503,24 +507,22 @@ class Scheduler:
     plan = self._plan
     step = self._step
     now = self._now
-    running = self.running
     bs = self.bm.block_size
-    residency = demand = 0
+    running = self.running
+    for rid in rids:
+      del running[rid]
+    plan.residency_steps += step * len(rs) - sum(map(_ADMIT_STEP, rs))
     for r in rs:
-      del running[r.req_id]
-      residency += step - r._admit_step
       r.state = ROTARY
       r.state_time = now
       r._touched_step = r._out_step = step
       r.num_rotations += 1
-      d = (r.prompt_len + r.num_generated + r.inflight_samples + bs - 1) // bs  # _enqueue_rotary(r), inline
-      r._demand = d
-      demand += d
+      # _enqueue_rotary(r), inline: a rotatable request is in decode phase (planned = computed + 1)
+      r._demand = r.num_computed_tokens // bs + 1
     self.rotary.push_many(rs, self.policy.rotary_keys(rs, self))  # keyed after the state change
     plan.rotated_out += rids
-    plan.residency_steps += residency
     self._out_moved += moved
-    self._demand += demand
+    self._demand += sum(map(_DEMAND, rs))
 
   def _reclaim_host_mirrors(self, need: int, keep: Request) -> bool:
     """Frees host blocks held by clean mirrors of running requests (most recently admitted first) until
@@ -575,6 +577,8 @@ class Scheduler:
     rotary one is untouched in this step, has nothing in flight, and its swap-in fits ``cap`` after the ones
     before it in ``rs``, which admission only thins out), so those three checks always pass and are skipped.
     """
+    if prechecked:
+      return self._admit_prechecked(rs)
     step = self._step
     bs = self.bm.block_size
     max_seqs = self.config.max_num_seqs
@@ -589,7 +593,7 @@ class Scheduler:
         break
       if r.state is not ROTARY:
         if batch:
-          self._apply_swap_ins(batch, budget - len(batch))
+          self._apply_swap_ins(batch, budget - len(batch), round_trip)
           admitted += len(batch)
           batch = []
         if self.admit_waiting(r):
@@ -598,14 +602,6 @@ class Scheduler:
         room = min(budget, max_seqs - len(self.running))
         free = self.bm.num_free_device_blocks
         in_moved = self._in_moved
-        continue
-      if prechecked:
-        need = r.num_computed_tokens // bs + 1  # device blocks for the computed tokens plus the pending slot
-        if need > free:
-          continue
-        free -= need
-        room -= 1
-        batch.append(r)
         continue
       if r._touched_step == step:  # moved earlier in this step (rotated out in it: _out_step == step too)
         if not round_trip or r._out_step != step:
@@ -624,42 +620,111 @@ class Scheduler:
       in_moved += nblk
       batch.append(r)
     if batch:
+      self._apply_swap_ins(batch, budget - len(batch), round_trip)
+      admitted += len(batch)
+    return admitted
+
+  def _admit_prechecked(self, rs) -> int:
+    """``admit_in_order(rs, prechecked=True)``: the same decisions, taken a run of rotary requests at a time.
+
+    A rotary request of ``rs`` needs ``_demand`` device blocks (its computed tokens plus the pending slot:
+    ``blocks_for(planned_tokens)``, a queue invariant), so a run of them that fits the free blocks and the
+    seats as a whole is taken in one go (what the request-by-request loop decides when none is skipped);
+    otherwise the run is gone through one by one.
+    """
+    max_seqs = self.config.max_num_seqs
+    budget = self._budget  # at the start of the current batch; each swap-in takes one token and one seat
+    room = min(budget, max_seqs - len(self.running))  # minus len(batch): tokens and seats both remain
+    free = self.bm.num_free_device_blocks
+    admitted = 0
+    batch = []  # rotary requests that fit, not yet swapped in
+    for state, run in itertools.groupby(rs, _STATE):
+      if room <= 0:
+        break
+      if state is not ROTARY:
+        for r in run:
+          if room <= 0:
+            break
+          if batch:
+            self._apply_swap_ins(batch, budget - len(batch))
+            admitted += len(batch)
+            batch = []
+          if self.admit_waiting(r):
+            admitted += 1
+          budget = self._budget
+          room = min(budget, max_seqs - len(self.running))
+          free = self.bm.num_free_device_blocks
+        continue
+      run = list(run)
+      need = sum(map(_DEMAND, run))
+      if len(run) <= room and need <= free:
+        batch += run
+        free -= need
+        room -= len(run)
+        continue
+      for r in run:
+        if room <= 0:
+          break
+        need = r._demand
+        if need > free:
+          continue
+        free -= need
+        room -= 1
+        batch.append(r)
+    if batch:
       self._apply_swap_ins(batch, budget - len(batch))
       admitted += len(batch)
     return admitted
 
-  def _apply_swap_ins(self, batch: list[Request], budget: int) -> None:
+  def _apply_swap_ins(self, batch: list[Request], budget: int, round_trip: bool = False) -> None:
     """Swaps in the rotary requests of ``batch`` (checked to fit): H2D pairs and the pending token's slot
     from the block manager, ROTARY -> RUNNING, each scheduled for its pending token. ``budget`` is the
-    token budget after them; the swap-in volume grows by their H2D pairs (one per host block)."""
+    token budget after them; the swap-in volume grows by their H2D pairs (one per host block).
+    ``round_trip``: ``batch`` may hold requests rotated out in this step (``swap_in``'s flag).
+
+    The requests' own fields are brought to their end-of-step values here (the pending token counted as
+    computed and in flight, as ``_finalize`` would: nothing later in the step reads them), and what they
+    need next step is added to ``_swapin_need``; ``_finalize`` marks their tokens in the block manager at
+    their place in plan order (after the write-backs: ordering contract 2)."""
     plan = self._plan
-    rids = [r.req_id for r in batch]
+    rids = list(map(_REQ_ID, batch))
     pairs_before = len(plan.swap_in)
     tables = self.bm.swap_in_many(rids, 1, plan.swap_in)
     assert len(tables) == len(batch)
-    self.rotary.remove_many(batch)  # _dequeue(r), inline (hot under rotation)
+    self.rotary.remove_many(batch)  # _dequeue(r) for each, with the demand below (hot under rotation)
+    self._demand -= sum(map(_DEMAND, batch))  # a running request's _demand is not read (set when queued)
     step = self._step
+    if round_trip:
+      trips = [r.req_id for r in batch if r._out_step == step]  # rotated out in this step (rotasched_code)
+      plan.round_trips += trips
+      self.totals["round_trips"] += len(trips)
+    scheduled = plan.scheduled
+    self._swapins.append((len(scheduled), rids, batch))  # _finalize marks these seqs in the block manager
+    emit = scheduled.append
+    self.running.update(zip(rids, batch))
     now = self._now
-    running = self.running
-    emit = plan.scheduled.append
-    self._swapins.append((len(plan.scheduled), rids, batch))  # _finalize marks these seqs by a shorter path
-    demand = 0
+    bs = self.bm.block_size
+    need_tok = need_blk = 0
+    track = self.policy.uses_running_needs
     for r, table in zip(batch, tables):
-      demand += r._demand
-      r._demand = 0
-      if r._out_step == step:  # a round trip (rotasched_code)
-        plan.round_trips.append(r.req_id)
-        self.totals["round_trips"] += 1
+      c = r.num_computed_tokens
+      emit(ScheduledSeq(r.req_id, 1, c, table, True))  # _emit(r, 1), inline: c + 1 == planned_tokens
       # _to_running(r), inline
       r.state = RUNNING
       r.state_time = now
       r._touched_step = r._admit_step = step
-      c = r.num_computed_tokens
-      r._gen_at_admit = c + 1 - r.prompt_len  # num_generated + inflight_samples
-      running[r.req_id] = r
-      emit(ScheduledSeq(r.req_id, 1, c, table, True))  # _emit: c + 1 == planned_tokens
+      r._gen_at_admit = gen = c + 1 - r.prompt_len  # num_generated + inflight_samples
+      # _finalize's general path for this seq, less the block manager's mark (done there, in plan order)
+      r.num_computed_tokens = c + 1
+      r.inflight_samples += 1
+      if track and gen + 1 < r.max_tokens:
+        need_tok += 1
+        if not (c + 1) % bs:
+          need_blk += 1
+    sn = self._swapin_need
+    sn[0] += need_blk
+    sn[1] += need_tok
     plan.rotated_in += rids
-    self._demand -= demand
     self._budget = budget
     self._in_moved += len(plan.swap_in) - pairs_before
 
