@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
+import sys
 from typing import Iterable
 
 from superinfer_jax.kv.block_manager import BlockManager
@@ -164,6 +165,49 @@ class Replay:
     d = self.digest.copy()
     d.update(repr(sorted(self.sched.totals.items())).encode())
     return d.hexdigest()
+
+
+def count_opcodes(fn, *args):
+  """Calls ``fn(*args)`` with ``sys.settrace`` counting opcode events; returns ``(result, opcodes)``.
+
+  ``opcodes``: bytecode instructions executed in every Python frame the call runs (callees and resumed
+  generators included; work done inside C functions, such as a list copy, counts as the one call). For a
+  replay's ``schedule()`` it is a work measure that machine load cannot move: on a noisy box timings swing
+  ~1.7x between runs minutes apart, the count not at all (same state, same count). The tracer slows the call
+  ~50x, so count a few steps, not the timed ones.
+  """
+  count = 0
+
+  def trace(frame, event, arg):
+    nonlocal count
+    if event == "opcode":
+      count += 1
+    elif event == "call":
+      frame.f_trace_lines = False
+      frame.f_trace_opcodes = True
+    return trace
+
+  previous = sys.gettrace()
+  sys.settrace(trace)
+  try:
+    result = fn(*args)
+  finally:
+    sys.settrace(previous)
+  return result, count
+
+
+def schedule_opcodes(policy: str, scenario: Scenario, warmup: int, steps: int, seed: int = 0) -> float:
+  """Mean opcodes per ``schedule()`` call (``count_opcodes``) over ``steps`` steps of a fresh replay, after
+  ``warmup`` untraced steps."""
+  rp = Replay(policy, scenario, seed)
+  for _ in range(warmup):
+    rp.complete(rp.schedule())
+  total = 0
+  for _ in range(steps):
+    plan, n = count_opcodes(rp.schedule)
+    total += n
+    rp.complete(plan)
+  return total / steps
 
 
 def run_scenario(policy: str, scenario: Scenario, steps: int, seed: int = 0, check_every: int = 0) -> str:
