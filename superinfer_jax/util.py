@@ -31,3 +31,24 @@ def progress_bar(total: int, desc: str, enabled: bool = True, unit: str = "req")
   except ImportError:
     return None
   return tqdm(total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True)
+
+
+def set_thread_nice(nice: int) -> bool:
+  """Sets the calling thread's nice value (Linux; -20 highest priority .. 19 lowest); True if it took effect.
+
+  Only the calling thread changes (``setpriority`` on its thread id); threads it creates later inherit the
+  value. Lowering it below its current value needs ``CAP_SYS_NICE``: without it, or off Linux, nothing
+  changes and the result is False.
+  """
+  import os  # pylint: disable=import-outside-toplevel
+  import threading  # pylint: disable=import-outside-toplevel
+  if not -20 <= nice <= 19:
+    raise ValueError(f"nice must be in [-20, 19], got {nice}")
+  if not hasattr(os, "setpriority"):
+    return False
+  tid = threading.get_native_id()
+  try:
+    os.setpriority(os.PRIO_PROCESS, tid, nice)
+  except (PermissionError, OSError):
+    return False
+  return os.getpriority(os.PRIO_PROCESS, tid) == nice

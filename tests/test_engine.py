@@ -387,3 +387,43 @@ def test_release_waits_for_the_step_in_flight(model):
     eng.step()
   assert len(eng.get_request(other).token_ids) == 6
   assert eng.stats.discarded_tokens == 1
+
+
+def _in_thread(fn):
+  """Runs ``fn()`` in a fresh thread (a nice value set there leaves pytest's thread alone); its result."""
+  import threading
+  out = {}
+
+  def run():
+    try:
+      out["value"] = fn()
+    except BaseException as e:  # noqa: BLE001  (re-raised below, in the test's thread)
+      out["error"] = e
+
+  t = threading.Thread(target=run)
+  t.start()
+  t.join()
+  if "error" in out:
+    raise out["error"]
+  return out["value"]
+
+
+def test_host_thread_nice_applies_to_the_building_thread_only(model):
+  import os
+  import threading
+  from superinfer_jax.util import set_thread_nice
+
+  def build(nice):
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    eng = _engine(model, host_thread_nice=nice)
+    return before, eng.host_thread_nice, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+  main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+  target = min(main_nice + 2, 19)  # raising a thread's nice value needs no privilege
+  before, applied, after = _in_thread(lambda: build(target))
+  assert before == main_nice and applied == target and after == target
+  assert _in_thread(lambda: build(0))[1:] == (None, main_nice)  # 0 leaves the thread as it is
+  assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_nice  # pytest's thread untouched
+  assert _in_thread(lambda: set_thread_nice(target)) is True
+  with pytest.raises(ValueError, match="nice"):
+    set_thread_nice(25)

@@ -62,6 +62,11 @@ class EngineConfig:
   zero_bubble: bool = knob(True, "with --pipeline: dispatch step k+1 before reading step k's ids, feeding "
                                  "the tokens k samples to k+1 on device (false: read k's ids, then dispatch)")
   seed: int = knob(0, "seed of requests that give none", flag="engine_seed")
+  host_thread_nice: int = knob(0, "nice value (-20..19) for the thread that builds the engine and runs its "
+                                  "steps, set once the backend's threads exist; 0: leave it. On CPU, XLA's "
+                                  "compute threads share the cores, and a negative value lets the host dispatch "
+                                  "without waiting out their time slices (docs/platform.md); lowering needs "
+                                  "CAP_SYS_NICE, else a warning")
   tensor_parallel_size: int = knob(1, "devices of the 1-D tensor-parallel mesh (weights and KV sharded by "
                                       "heads; docs/parallel.md)")
   layer_loop: str = knob("auto", "model layers as a scan (one compiled layer body) or unrolled (no "
@@ -92,6 +97,9 @@ class EngineConfig:
     check_int("blocks_bucket_floor")
     check_int("seed", allow_zero=True)
     check_int("tensor_parallel_size")
+    if isinstance(self.host_thread_nice, bool) or not isinstance(self.host_thread_nice, int) or not (
+        -20 <= self.host_thread_nice <= 19):
+      raise ValueError(f"EngineConfig.host_thread_nice must be an int in [-20, 19], got {self.host_thread_nice!r}")
     configtree.check_choices(self)
     if not 0.0 < self.device_memory_fraction <= 1.0:
       raise ValueError(f"EngineConfig.device_memory_fraction must be in (0, 1], got "

@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
 import time
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -77,6 +78,7 @@ from superinfer_jax.parallel.mesh import free_device_bytes
 from superinfer_jax.rotation import DuplexKV
 from superinfer_jax.sched import Request, Scheduler, WallClock
 from superinfer_jax.sched.protocol import SchedulerProtocol
+from superinfer_jax.util import set_thread_nice
 
 PromptType = Union[str, Sequence[int]]
 
@@ -400,6 +402,14 @@ class LLMEngine:
     self._inflight: Optional[_InFlight] = None
     self._id_counter = itertools.count()
     self._empty_steps = 0
+    # After the backend's thread pools exist (the cache and inputs are on the device), so they keep theirs.
+    self.host_thread_nice = None   # the nice value applied to the building thread, None: left as it was
+    if config.host_thread_nice:
+      if set_thread_nice(config.host_thread_nice):
+        self.host_thread_nice = config.host_thread_nice
+      else:
+        logging.getLogger(__name__).warning("EngineConfig.host_thread_nice=%d: could not set it (needs CAP_SYS_NICE to lower); the "
+                        "host thread keeps its priority", config.host_thread_nice)
 
   # ------------------------------------------------------------------------------------------ sizing
   def _put(self, x: np.ndarray, commit: bool = False) -> jax.Array:
