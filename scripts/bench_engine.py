@@ -23,8 +23,8 @@ Prints one JSON line per (impl, batch).
 The engine's thread (the one that builds the engines and runs their steps, and afterwards transformers) runs
 at nice ``--host_thread_nice`` (here -10 by default; ``EngineConfig.host_thread_nice``, 0: leave it): on a
 CPU backend the host shares the cores with XLA's compute threads, and at equal priority its dispatch waited
-out their time slices (batch 64: wall 0.87-1.88 ms for 0.76-0.89 ms of CPU; at -10, 0.68-1.03 ms for
-0.67-0.83 ms, 2026-12-01 night). Each engine row reports the value applied (``host_thread_nice``; null: not
+out their time slices (batch 64, six runs: wall 0.69-1.88 ms for 0.66-0.89 ms of CPU; at -10, 0.68-1.03 ms
+for 0.67-0.83 ms, 2026-12-01 night). Each engine row reports the value applied (``host_thread_nice``; null: not
 permitted, or 0).
 
   python scripts/bench_engine.py --batch_sizes=1,16,64 --prompt_len=32 --max_tokens=64 --num_device_blocks=512
