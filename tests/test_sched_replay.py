@@ -6,6 +6,7 @@ of what a policy decides re-records them with
 ``python scripts/bench_scheduler.py --plan_hashes > tests/fixtures/sched_plan_hashes.json`` and says so.
 """
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -109,4 +110,4 @@ def test_opcode_count_is_deterministic_and_sees_the_rotation_work():
   # a frame's own instructions and its callees' are counted; the tracer is removed afterwards
   result, n = replay.count_opcodes(three)
   assert result == 3 and n > 0 and replay.count_opcodes(lambda: three() + three())[1] > 2 * n - 1
-  assert sys.gettrace() is None
+  assert sys.gettrace() is None and gc.isenabled()  # the tracer is gone and the GC runs again

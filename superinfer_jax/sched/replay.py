@@ -24,6 +24,7 @@ Pure Python, no JAX.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import random
 import sys
@@ -173,8 +174,10 @@ def count_opcodes(fn, *args):
   ``opcodes``: bytecode instructions executed in every Python frame the call runs (callees and resumed
   generators included; work done inside C functions, such as a list copy, counts as the one call). For a
   replay's ``schedule()`` it is a work measure that machine load cannot move: on a noisy box timings swing
-  ~1.7x between runs minutes apart, the count not at all (same state, same count). The tracer slows the call
-  ~50x, so count a few steps, not the timed ones.
+  ~1.7x between runs minutes apart, the count not at all (same state, same count). The cyclic GC is paused
+  during the call: a collection could otherwise run other objects' Python finalizers or ``gc.callbacks`` inside
+  it, and when it fires depends on the whole process. The tracer slows the call ~50x, so count a few steps,
+  not the timed ones.
   """
   count = 0
 
@@ -188,11 +191,15 @@ def count_opcodes(fn, *args):
     return trace
 
   previous = sys.gettrace()
+  gc_was_enabled = gc.isenabled()
+  gc.disable()
   sys.settrace(trace)
   try:
     result = fn(*args)
   finally:
     sys.settrace(previous)
+    if gc_was_enabled:
+      gc.enable()
   return result, count
 
 
