@@ -65,7 +65,6 @@ except that a single request larger than B_xfer may move alone (otherwise it cou
 """
 from __future__ import annotations
 
-import itertools
 import operator
 from typing import Hashable
 
@@ -80,7 +79,6 @@ RUNNING = RequestState.RUNNING
 WAITING = RequestState.WAITING
 ROTARY = RequestState.ROTARY
 PREEMPTED = RequestState.PREEMPTED
-_STATE = operator.attrgetter("state")
 _DEMAND = operator.attrgetter("_demand")
 _REQ_ID = operator.attrgetter("req_id")
 _COMPUTED = operator.attrgetter("num_computed_tokens")
@@ -577,8 +575,6 @@ class Scheduler:
     rotary one is untouched in this step, has nothing in flight, and its swap-in fits ``cap`` after the ones
     before it in ``rs``, which admission only thins out), so those three checks always pass and are skipped.
     """
-    if prechecked:
-      return self._admit_prechecked(rs)
     step = self._step
     bs = self.bm.block_size
     max_seqs = self.config.max_num_seqs
@@ -603,6 +599,14 @@ class Scheduler:
         free = self.bm.num_free_device_blocks
         in_moved = self._in_moved
         continue
+      if prechecked:
+        need = r._demand  # device blocks for the computed tokens plus the pending slot (blocks_for(planned))
+        if need > free:
+          continue
+        free -= need
+        room -= 1
+        batch.append(r)
+        continue
       if r._touched_step == step:  # moved earlier in this step (rotated out in it: _out_step == step too)
         if not round_trip or r._out_step != step:
           continue
@@ -621,58 +625,6 @@ class Scheduler:
       batch.append(r)
     if batch:
       self._apply_swap_ins(batch, budget - len(batch), round_trip)
-      admitted += len(batch)
-    return admitted
-
-  def _admit_prechecked(self, rs) -> int:
-    """``admit_in_order(rs, prechecked=True)``: the same decisions, taken a run of rotary requests at a time.
-
-    A rotary request of ``rs`` needs ``_demand`` device blocks (its computed tokens plus the pending slot:
-    ``blocks_for(planned_tokens)``, a queue invariant), so a run of them that fits the free blocks and the
-    seats as a whole is taken in one go (what the request-by-request loop decides when none is skipped);
-    otherwise the run is gone through one by one.
-    """
-    max_seqs = self.config.max_num_seqs
-    budget = self._budget  # at the start of the current batch; each swap-in takes one token and one seat
-    room = min(budget, max_seqs - len(self.running))  # minus len(batch): tokens and seats both remain
-    free = self.bm.num_free_device_blocks
-    admitted = 0
-    batch = []  # rotary requests that fit, not yet swapped in
-    for state, run in itertools.groupby(rs, _STATE):
-      if room <= 0:
-        break
-      if state is not ROTARY:
-        for r in run:
-          if room <= 0:
-            break
-          if batch:
-            self._apply_swap_ins(batch, budget - len(batch))
-            admitted += len(batch)
-            batch = []
-          if self.admit_waiting(r):
-            admitted += 1
-          budget = self._budget
-          room = min(budget, max_seqs - len(self.running))
-          free = self.bm.num_free_device_blocks
-        continue
-      run = list(run)
-      need = sum(map(_DEMAND, run))
-      if len(run) <= room and need <= free:
-        batch += run
-        free -= need
-        room -= len(run)
-        continue
-      for r in run:
-        if room <= 0:
-          break
-        need = r._demand
-        if need > free:
-          continue
-        free -= need
-        room -= 1
-        batch.append(r)
-    if batch:
-      self._apply_swap_ins(batch, budget - len(batch))
       admitted += len(batch)
     return admitted
 
