@@ -58,7 +58,7 @@ def test_eager_writeback_only_full_computed_blocks():
   bm.mark_computed("a", 3)
   assert bm.take_writebacks() == []  # block 0 not full yet
   bm.mark_computed("a", 9)  # blocks 0 and 1 full, block 2 partial
-  dev = bm.block_table("a")
+  dev = bm.block_table("a").tolist()
   wb = bm.take_writebacks()
   assert [d for d, _ in wb] == dev[:2]
   assert len({h for _, h in wb}) == 2
@@ -99,7 +99,7 @@ def test_swap_out_without_writeback_copies_everything():
   bm = BlockManager(8, 8, block_size=4)
   bm.append_slots("a", 10)
   bm.mark_computed("a", 10)
-  dev = bm.block_table("a")
+  dev = bm.block_table("a").tolist()
   pairs = bm.swap_out("a")
   assert [d for d, _ in pairs] == dev
   assert bm.host_block_table("a") == [h for _, h in pairs]
@@ -124,7 +124,7 @@ def test_swap_in_keeps_clean_mirrors_and_next_swap_out_copies_only_tail():
   assert bm.blocks_to_swap_in("a") == 3
   pairs = bm.swap_in("a")
   assert [h for h, _ in pairs] == host
-  assert [d for _, d in pairs] == bm.block_table("a")
+  assert [d for _, d in pairs] == bm.block_table("a").tolist()
   assert len(out) == 3
   assert bm.swap_out_copies("a") == 0  # nothing changed since: clean
   bm.append_slots("a", 1)
@@ -301,13 +301,13 @@ def test_free_lists_stay_fifo_under_bulk_allocation(seed):
     if op == "new":
       n = rng.randint(1, 3 * bs)
       if bm.append_slots(step, n):
-        assert bm.block_table(step) == [dev_ref.popleft() for _ in range(-(-n // bs))]
+        assert bm.block_table(step).tolist() == [dev_ref.popleft() for _ in range(-(-n // bs))]
         live[step] = True
     elif op == "grow" and resident:
       rid = rng.choice(resident)
       before = bm.block_table(rid)
       if bm.append_slots(rid, rng.randint(0, 2 * bs)):
-        new = bm.block_table(rid)[len(before):]
+        new = bm.block_table(rid)[len(before):].tolist()
         assert new == [dev_ref.popleft() for _ in new]
     elif op == "compute_wb" and resident:
       rid = rng.choice(resident)

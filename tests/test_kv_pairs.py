@@ -155,7 +155,7 @@ def test_block_manager_returns_pairlists():
   inn = bm.swap_in("a")
   assert isinstance(inn, PairList) and len(inn) == 3
   assert inn.srcs == [h for _, h in wb] + [out.dsts[0]]  # host blocks, logical order
-  assert inn.dsts == bm.block_table("a")
+  assert inn.dsts == bm.block_table("a").tolist()
 
 
 @pytest.mark.parametrize("mode", ["duplex", "merged", "naive"])

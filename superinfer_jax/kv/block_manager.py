@@ -11,18 +11,20 @@ Pools
 * Device pool: block ids ``1..num_device_blocks``. ``PADDING_BLOCK`` (0) is never allocated (the device
   cache array therefore has ``num_device_blocks + 1`` blocks; see ``kv/layout.py``).
 * Host pool (pinned host memory): block ids ``0..num_host_blocks-1``.
-* Free lists are FIFO: a freed block goes to the tail, allocation pops the head. Each is a Python list plus a
+* Free lists are FIFO: a freed block goes to the tail, allocation pops the head. Each is an ``array`` plus a
   head index, so a request's blocks are taken as one slice and released with one ``extend`` (C speed; no
   per-block Python work on the rotation path, which moves up to B_xfer blocks per step each way).
 * Every allocated block has exactly one owner, a (request, logical block) slot; the reference count is
   therefore implicit (1 off the free list, 0 on it), which keeps bulk allocation and release free of
   per-block bookkeeping. Prefix sharing would add an explicit count for shared blocks only.
 
-Host block ids are stored as ``array('i')`` (``HOST_IDS``): each request's ``host`` column and the host free
-list. Under rotation a step moves ~2,400 host ids into the swap-in copy list; with arrays that is a ``memcpy``
-into ``StepPlan.swap_in.srcs`` (an array too, ``kv/pairs.h2d_pairs``) instead of an incref of one of 65k cold
-int objects per id (last-level cache misses of ``schedule()`` -14%). Device ids stay ``list[int]``: block tables
-are lists for their callers, and ``block_table`` copies them every step.
+Block ids are stored as ``array('i')``: host ids (``HOST_IDS``) in each request's ``host`` column and the host
+free list, device ids (``DEV_IDS``) in each request's ``dev`` column, the device free list and every block table
+handed out. Under rotation a step moves ~2,400 host ids into the swap-in copy list and ~2,400 device ids out
+of the free list; with arrays each move is a ``memcpy`` (into ``StepPlan.swap_in``'s columns, both arrays:
+``kv/pairs.h2d_pairs``) instead of an incref of one cold int object per id, and ``block_table``'s per-step
+copy of every scheduled request's table is a ``memcpy`` too (2026-12-02: device ids as arrays took 8% off
+rotasched's ``schedule()`` and 5.5% off fcfs's; last-level cache misses -37% / -27%, callgrind).
 
 Per-request state
 -----------------
@@ -81,14 +83,15 @@ Mutations:
   * ``swap_out_to(req_id, out: PairList) -> int | None``, ``swap_in_to(req_id, out) -> int | None``: as
     ``swap_out`` / ``swap_in``, but the pairs are appended to ``out`` column-wise (no intermediate list) and
     their count is returned; None leaves ``out`` unchanged. The scheduler fills its ``StepPlan`` with these.
-  * ``swap_in_grow(req_id, num_new_tokens, out) -> list[int] | None``: ``swap_in_to`` then
+  * ``swap_in_grow(req_id, num_new_tokens, out) -> array | None``: ``swap_in_to`` then
     ``append_slots(req_id, num_new_tokens)`` in one all-or-nothing call (same block ids); returns the new
-    block table (a fresh list) or None. ``swap_in_many(req_ids, num_new_tokens, out) -> tables`` and
+    block table (a fresh ``array('i')``) or None. ``swap_in_many(req_ids, num_new_tokens, out) -> tables`` and
     ``swap_out_many(req_ids, out) -> (k, pairs)``: the same for each id in order, until one does not fit.
     The scheduler rotates a step's requests in and out with these.
   * ``free(req_id)``: finish / abort / recompute preemption. Releases device and host blocks. Unknown id:
     no-op.
-  * ``block_table(req_id) -> list[int]``: device ids of a resident request's logical blocks (a fresh list;
+  * ``block_table(req_id) -> array``: device ids of a resident request's logical blocks (a fresh
+    ``array('i')``, typecode ``DEV_IDS``; it compares equal to another array, not to a list: use ``tolist()``;
     pad with ``PADDING_BLOCK``). Token ``t`` lives at slot ``table[t // block_size] * block_size +
     t % block_size``.
   * ``host_block_table(req_id) -> list[int]``: host ids (-1 where none).
@@ -126,7 +129,7 @@ from array import array
 from typing import Hashable
 
 from superinfer_jax.kv.layout import PADDING_BLOCK
-from superinfer_jax.kv.pairs import HOST_IDS, PairList
+from superinfer_jax.kv.pairs import DEV_IDS, HOST_IDS, PairList
 
 NO_BLOCK = -1
 _NO_BLOCKS = array(HOST_IDS, [NO_BLOCK]) * 4096  # slices of it fill host tables (no host copy) in bulk
@@ -140,12 +143,12 @@ ReqId = Hashable
 
 
 class _Seq:
-  """One request's logical blocks (parallel lists, indexed by logical block; ``dev`` is empty while the
+  """One request's logical blocks (parallel columns, indexed by logical block; ``dev`` is empty while the
   request is swapped out, so ``len(host)`` is the block count in both states)."""
   __slots__ = ("dev", "host", "host_tokens", "num_tokens", "num_computed", "on_host", "nwb", "nhost")
 
   def __init__(self):
-    self.dev: list[int] = []
+    self.dev = array(DEV_IDS)  # device block ids
     self.host = array(HOST_IDS)  # host block ids (NO_BLOCK where none)
     self.host_tokens: list[int] = []
     self.num_tokens = 0
@@ -169,7 +172,7 @@ class BlockManager:
     self.num_host_blocks = num_host_blocks
     self.block_size = block_size
     # FIFO free lists: the live part is ``_dev_free[_dev_head:]`` (see ``_take_dev``).
-    self._dev_free: list[int] = list(range(1, num_device_blocks + 1))
+    self._dev_free = array(DEV_IDS, range(1, num_device_blocks + 1))
     self._dev_head = 0
     self._host_free = array(HOST_IDS, range(num_host_blocks))
     self._host_head = 0
@@ -266,11 +269,11 @@ class BlockManager:
       return s.nwb + 1
     return s.nwb
 
-  def block_table(self, req_id: ReqId) -> list[int]:
+  def block_table(self, req_id: ReqId) -> array:
     s = self._seqs[req_id]
     if s.on_host:
       raise ValueError(f"request {req_id!r} is swapped out; it has no device block table")
-    return s.dev[:]  # a fresh list (slicing is cheaper than list(); called for every scheduled seq)
+    return s.dev[:]  # a fresh array (one memcpy; called for every scheduled seq)
 
   def host_block_table(self, req_id: ReqId) -> list[int]:
     return self._seqs[req_id].host.tolist()
@@ -298,7 +301,7 @@ class BlockManager:
       out.append(nfull)
     return out
 
-  def _take_dev(self, n: int) -> list[int]:
+  def _take_dev(self, n: int) -> array:
     """Pops the ``n`` head blocks of the device free list (caller checked there are enough)."""
     free = self._dev_free
     end = self._dev_head + n
@@ -322,7 +325,7 @@ class BlockManager:
 
   def _free_device_ids(self) -> list[int]:
     """The device free list, head first (a copy; for tests and debug)."""
-    return self._dev_free[self._dev_head:]
+    return self._dev_free[self._dev_head:].tolist()
 
   def _free_host_ids(self) -> list[int]:
     """The host free list, head first (a copy; for tests and debug)."""
@@ -508,7 +511,7 @@ class BlockManager:
         srcs.append(dev[nfull])
         dsts.append(h)
         dev_free += dev
-        dev.clear()
+        del dev[:]
         s.num_tokens = nc
         s.on_host = True
       elif (s.nwb == 1 and not tail and len(host) == nfull and nfull
@@ -531,7 +534,7 @@ class BlockManager:
         srcs.append(dev[i])
         dsts.append(h)
         dev_free += dev
-        dev.clear()
+        del dev[:]
         s.on_host = True
       elif not s.nwb and not tail and len(host) == nfull:
         # The computed tokens end on a block boundary and every full block has a clean host copy (no
@@ -539,7 +542,7 @@ class BlockManager:
         mirrors += s.nhost
         dev = s.dev
         dev_free += dev
-        dev.clear()
+        del dev[:]
         s.on_host = True
       elif self._swap_out_general(req_id, s, out) is None:
         break
@@ -555,14 +558,13 @@ class BlockManager:
       return None
     # Release the device blocks (one bulk extend; a swapped request keeps an empty device list) and drop logical
     # blocks past the computed tokens (their KV does not exist). The per-request lists are updated in place:
-    # replacing them would hand the cyclic GC's older generations thousands of fresh list items per step
-    # under heavy rotation.
+    # replacing them would hand the allocator thousands of fresh buffers per step under heavy rotation.
     bs = self.block_size
     nc = s.num_computed
     host = s.host
     dev = s.dev
     self._dev_free += dev
-    dev.clear()
+    del dev[:]
     n = (nc + bs - 1) // bs
     if n < len(host):
       dropped = [h for h in host[n:] if h != NO_BLOCK]
@@ -637,21 +639,21 @@ class BlockManager:
     table = self.swap_in_grow(req_id, 0, out)
     return None if table is None else len(table)
 
-  def swap_in_grow(self, req_id: ReqId, num_new_tokens: int, out: PairList) -> list[int] | None:
+  def swap_in_grow(self, req_id: ReqId, num_new_tokens: int, out: PairList) -> array | None:
     """``swap_in_to`` followed by ``append_slots(req_id, num_new_tokens)``, as one all-or-nothing step.
 
     Appends the H2D pairs (one per host block, in logical order) to ``out`` and returns the request's new
-    device block table (a fresh list, as ``block_table`` would return). The device blocks come off the
+    device block table (a fresh array, as ``block_table`` would return). The device blocks come off the
     free list's head in the order the two calls would take them (the swap-in's, then the growth's). None:
     the device pool lacks blocks for both; nothing changed.
     """
     tables = self.swap_in_many((req_id,), num_new_tokens, out)
     return tables[0] if tables else None
 
-  def swap_in_many(self, req_ids, num_new_tokens: int, out: PairList) -> list[list[int]]:
+  def swap_in_many(self, req_ids, num_new_tokens: int, out: PairList) -> list[array]:
     """``swap_in_grow(req_id, num_new_tokens, out)`` for each (distinct) id in order, stopping at the first
     the device pool cannot take. Returns the new block tables of those swapped in (a prefix of ``req_ids``;
-    fresh lists); their H2D pairs are appended to ``out`` in order. The device blocks are exactly those the
+    fresh arrays); their H2D pairs are appended to ``out`` in order. The device blocks are exactly those the
     calls one by one would take. The scheduler rotates a step's requests in with one call.
     """
     if num_new_tokens < 0:

@@ -16,7 +16,8 @@ writing: ``append((src, dst))``, ``extend(pairs)`` and ``+=`` (column-wise ``lis
 columns ``srcs`` / ``dsts`` directly.
 
 Invariants:
-  * ``srcs`` and ``dsts`` are ``list[int]`` of equal length; pair ``i`` is ``(srcs[i], dsts[i])``.
+  * ``srcs`` and ``dsts`` are int columns of equal length, each a ``list[int]`` or an ``array('i')``
+    (``h2d_pairs``); pair ``i`` is ``(srcs[i], dsts[i])``.
   * The columns are owned by the ``PairList``: ``from_columns`` takes the lists it is given (no copy), so a
     caller must not mutate them afterwards; readers of ``srcs`` / ``dsts`` must not mutate them either
     unless they own the ``PairList``.
@@ -40,8 +41,8 @@ class PairList:
   stays a plain type check (an ABC's check is a Python-level call).
 
   Attributes:
-    srcs: ``list[int]``, the first element of every pair, in order.
-    dsts: ``list[int]``, the second element of every pair; ``len(dsts) == len(srcs)``.
+    srcs: ``list[int]`` or ``array('i')``, the first element of every pair, in order.
+    dsts: ``list[int]`` or ``array('i')``, the second element of every pair; ``len(dsts) == len(srcs)``.
   """
   __slots__ = ("srcs", "dsts")
   __hash__ = None  # mutable, like list
@@ -219,14 +220,15 @@ def _col_extend(col, other) -> None:
     col.fromlist(list(other))
 
 
+DEV_IDS = "i"  # array typecode of device block-id columns (the block manager's device lists, block tables, ``h2d_pairs().dsts``)
 HOST_IDS = "i"  # array typecode of host block-id columns (the block manager's host lists, ``h2d_pairs().srcs``)
 
 
 def h2d_pairs() -> PairList:
-  """An empty PairList whose ``srcs`` column is an ``array`` of host ids (typecode ``HOST_IDS``), so that
-  the block manager appends a swapped-in request's host ids (an ``array`` too) with one ``memcpy``: no Python
-  int is created or touched per block. ``dsts`` (device ids) is a ``list``."""
-  return PairList.from_columns(array.array(HOST_IDS), [])
+  """An empty PairList whose columns are ``array``s: ``srcs`` of host ids (typecode ``HOST_IDS``), ``dsts`` of
+  device ids (``DEV_IDS``), so that the block manager appends a swapped-in request's host ids and new device
+  ids (arrays too) with one ``memcpy`` each: no Python int is created or touched per block."""
+  return PairList.from_columns(array.array(HOST_IDS), array.array(DEV_IDS))
 
 EMPTY_COLUMNS = ((), ())
 

@@ -6,7 +6,7 @@
   * ``scheduled``: ``list[ScheduledSeq]`` in batch order. ``ScheduledSeq(req_id, num_new_tokens,
     num_computed_tokens, block_table, sample)``: feed tokens ``[num_computed_tokens, num_computed_tokens +
     num_new_tokens)`` of the request (prompt ids, then generated ids; in lookahead the last one is the token
-    the in-flight step is sampling); ``block_table`` is a fresh list of device block ids covering
+    the in-flight step is sampling); ``block_table`` is a fresh ``array('i')`` of device block ids (``kv/block_manager.py``) covering
     ``num_computed_tokens + num_new_tokens`` tokens; ``sample`` is True when the chunk reaches the end of
     the known tokens, i.e. the step must sample a token for this request (False for a partial prefill chunk).
   * ``swap_out``: D2H ``(device, host)`` pairs of requests rotated out this step (normally dirty tail blocks).
@@ -42,7 +42,7 @@ class ScheduledSeq:
   __slots__ = ("req_id", "num_new_tokens", "num_computed_tokens", "block_table", "sample")
 
   def __init__(self, req_id: Hashable, num_new_tokens: int, num_computed_tokens: int,
-               block_table: list[int], sample: bool):
+               block_table, sample: bool):
     self.req_id = req_id
     self.num_new_tokens = num_new_tokens
     self.num_computed_tokens = num_computed_tokens
