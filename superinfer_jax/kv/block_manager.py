@@ -483,6 +483,7 @@ class BlockManager:
     start = len(srcs)  # every path appends its pairs to out's columns: pairs = len(srcs) - start
     dev_free = self._dev_free
     hfree = self._host_free
+    hhead = self._host_head  # _take_host(1), inline: the live host free list is hfree[hhead:]
     done = mirrors = 0
     for req_id in req_ids:
       s = seqs[req_id]
@@ -501,10 +502,11 @@ class BlockManager:
         h = host[nfull]
         mirrors += s.nhost  # its host blocks so far stop being mirrors of a resident request
         if h == NO_BLOCK:
-          if self._host_head == len(hfree):
+          if hhead == len(hfree):
             mirrors -= s.nhost
             break
-          h = host[nfull] = self._take_host(1)[0]
+          h = host[nfull] = hfree[hhead]
+          hhead += 1
           s.nhost += 1
         ht[nfull] = tail
         dev = s.dev
@@ -522,10 +524,11 @@ class BlockManager:
         h = host[i]
         mirrors += s.nhost  # its host blocks so far stop being mirrors of a resident request
         if h == NO_BLOCK:
-          if self._host_head == len(hfree):
+          if hhead == len(hfree):
             mirrors -= s.nhost
             break
-          h = host[i] = self._take_host(1)[0]
+          h = host[i] = hfree[hhead]
+          hhead += 1
           s.nhost += 1
         del self._wb[(req_id, i)]
         s.nwb = 0
@@ -544,9 +547,17 @@ class BlockManager:
         dev_free += dev
         del dev[:]
         s.on_host = True
-      elif self._swap_out_general(req_id, s, out) is None:
-        break
+      else:
+        self._host_head = hhead  # the general path takes host blocks through _take_host
+        moved = self._swap_out_general(req_id, s, out)
+        hhead = self._host_head
+        if moved is None:
+          break
       done += 1
+    if hhead + hhead >= len(hfree):  # compact as _take_host does (the consumed prefix is at least half)
+      del hfree[:hhead]
+      hhead = 0
+    self._host_head = hhead
     self._mirror_blocks -= mirrors
     return done, len(srcs) - start
 

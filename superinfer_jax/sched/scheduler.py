@@ -509,18 +509,21 @@ class Scheduler:
     running = self.running
     for rid in rids:
       del running[rid]
-    plan.residency_steps += step * len(rs) - sum(map(_ADMIT_STEP, rs))
+    residency = demand = 0
     for r in rs:
       r.state = ROTARY
       r.state_time = now
       r._touched_step = r._out_step = step
       r.num_rotations += 1
+      residency += step - r._admit_step
       # _enqueue_rotary(r), inline: a rotatable request is in decode phase (planned = computed + 1)
-      r._demand = r.num_computed_tokens // bs + 1
+      r._demand = d = r.num_computed_tokens // bs + 1
+      demand += d
     self.rotary.push_many(rs, self.policy.rotary_keys(rs, self))  # keyed after the state change
+    plan.residency_steps += residency
     plan.rotated_out += rids
     self._out_moved += moved
-    self._demand += sum(map(_DEMAND, rs))
+    self._demand += demand
 
   def _reclaim_host_mirrors(self, need: int, keep: Request) -> bool:
     """Frees host blocks held by clean mirrors of running requests (most recently admitted first) until
@@ -644,7 +647,6 @@ class Scheduler:
     tables = self.bm.swap_in_many(rids, 1, plan.swap_in)
     assert len(tables) == len(batch)
     self.rotary.remove_many(batch)  # _dequeue(r) for each, with the demand below (hot under rotation)
-    self._demand -= sum(map(_DEMAND, batch))  # a running request's _demand is not read (set when queued)
     step = self._step
     if round_trip:
       trips = [r.req_id for r in batch if r._out_step == step]  # rotated out in this step (rotasched_code)
@@ -656,9 +658,10 @@ class Scheduler:
     self.running.update(zip(rids, batch))
     now = self._now
     bs = self.bm.block_size
-    need_tok = need_blk = 0
+    need_tok = need_blk = demand = 0
     track = self.policy.uses_running_needs
     for r, table in zip(batch, tables):
+      demand += r._demand  # leaves the queued demand (a running request's _demand is not read)
       c = r.num_computed_tokens
       emit(ScheduledSeq(r.req_id, 1, c, table, True))  # _emit(r, 1), inline: c + 1 == planned_tokens
       # _to_running(r), inline
@@ -673,6 +676,7 @@ class Scheduler:
         need_tok += 1
         if not (c + 1) % bs:
           need_blk += 1
+    self._demand -= demand
     sn = self._swapin_need
     sn[0] += need_blk
     sn[1] += need_tok
