@@ -79,10 +79,7 @@ RUNNING = RequestState.RUNNING
 WAITING = RequestState.WAITING
 ROTARY = RequestState.ROTARY
 PREEMPTED = RequestState.PREEMPTED
-_DEMAND = operator.attrgetter("_demand")
 _REQ_ID = operator.attrgetter("req_id")
-_COMPUTED = operator.attrgetter("num_computed_tokens")
-_ADMIT_STEP = operator.attrgetter("_admit_step")
 
 
 class Scheduler:
