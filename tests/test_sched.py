@@ -685,6 +685,28 @@ def test_rotasched_strict_rotates_only_for_lagging_requests():
     s.check_invariants()
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_sorted_queue_remove_many_in_any_order_or_refused_whole(seed):
+  """remove_many takes any order of distinct queued requests (in queue order it scans only up to the last);
+  one request that is not queued makes it raise KeyError and change nothing."""
+  import random
+  from superinfer_jax.sched.queue import SortedQueue
+  rng = random.Random(seed)
+  reqs = [Request(i, 1, 1, 0.0) for i in range(25)]
+  q = SortedQueue()
+  q.push_many(reqs, [(rng.choice([0.0, 1.0, rng.random()]),) for _ in reqs])
+  before = q.entries()
+  pick = rng.sample(reqs, rng.randint(2, 12))
+  stranger = Request(99, 1, 1, 0.0)  # never queued
+  bad = pick[:]
+  bad.insert(rng.randrange(len(bad) + 1), stranger)
+  with pytest.raises(KeyError):
+    q.remove_many(bad)
+  assert q.entries() == before and all(r._qentry is not None for r in pick)
+  q.remove_many(pick)  # random order: some lie after pick[-1] in the queue
+  assert q.entries() == [e for e in before if e[2] not in pick] and all(r._qentry is None for r in pick)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_sorted_queue_batch_ops_equal_one_by_one(seed):
   """push_many orders by key, then push order; remove_many leaves the same entries as remove one at a time."""

@@ -49,29 +49,31 @@ class SortedQueue:
     self._seq = seq
 
   def remove_many(self, rs) -> None:
-    """``remove(r)`` for each of ``rs`` (distinct requests in this queue). One slice deletion when they are
-    the queue's first ``len(rs)`` entries (admission takes from the head), else one filtering pass over the
-    queue up to the last of them."""
+    """``remove(r)`` for each of ``rs`` (distinct requests in this queue). In queue order (how admission takes
+    them: candidates are scanned head first) it costs one filtering pass over the queue up to the last of them;
+    in any other order, one pass over the whole queue. Raises ``KeyError``, changing nothing, if one of them is
+    not in this queue."""
     items = self._items
     entries = [r._qentry for r in rs]
     if not entries:
       return
-    if None in entries:
-      raise KeyError(f"{rs[entries.index(None)]!r} is not queued")
-    last = max(entries)  # entries compare by (key, seq): seq is unique, so the request is never compared
-    j = bisect.bisect_left(items, last)
-    if j >= len(items) or items[j] is not last:
-      raise KeyError(f"{last[2]!r} not in this queue")
+    last = entries[-1]  # the last of rs in queue order, if rs is in queue order (checked by the count below)
+    j = -1 if last is None else bisect.bisect_left(items, last)  # entries compare by (key, seq): seq is unique
+    if j < 0 or j >= len(items) or items[j] is not last:
+      raise KeyError(f"{rs[-1]!r} not in this queue")
     for r in rs:
       r._qentry = None
     k = len(entries)
-    if j == k - 1:  # all k entries sit at indices <= k - 1: they are the first k
-      del items[:k]
-      return
     kept = [e for e in items[:j + 1] if e[2]._qentry is e]
-    if len(kept) != j + 1 - k:
+    if len(kept) == j + 1 - k:
+      items[:j + 1] = kept
+      return
+    kept = [e for e in items if e[2]._qentry is e]  # some of rs lie after rs[-1], or are not queued
+    if len(kept) != len(items) - k:
+      for r, e in zip(rs, entries):
+        r._qentry = e
       raise KeyError("remove_many: some requests are not in this queue")
-    items[:j + 1] = kept
+    items[:] = kept
 
   def remove(self, r: Request) -> None:
     entry = r._qentry

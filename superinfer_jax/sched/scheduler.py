@@ -65,7 +65,6 @@ except that a single request larger than B_xfer may move alone (otherwise it cou
 """
 from __future__ import annotations
 
-import operator
 from typing import Hashable
 
 from superinfer_jax.kv.block_manager import BlockManager
@@ -79,7 +78,6 @@ RUNNING = RequestState.RUNNING
 WAITING = RequestState.WAITING
 ROTARY = RequestState.ROTARY
 PREEMPTED = RequestState.PREEMPTED
-_REQ_ID = operator.attrgetter("req_id")
 
 
 class Scheduler:
@@ -473,7 +471,7 @@ class Scheduler:
     """
     bm = self.bm
     out = self._plan.swap_out
-    rids = list(map(_REQ_ID, victims))
+    rids = [v.req_id for v in victims]
     n = len(victims)
     i = rotated = 0
     while i < n:
@@ -639,7 +637,7 @@ class Scheduler:
     need next step is added to ``_swapin_need``; ``_finalize`` marks their tokens in the block manager at
     their place in plan order (after the write-backs: ordering contract 2)."""
     plan = self._plan
-    rids = list(map(_REQ_ID, batch))
+    rids = [r.req_id for r in batch]
     pairs_before = len(plan.swap_in)
     tables = self.bm.swap_in_many(rids, 1, plan.swap_in)
     assert len(tables) == len(batch)
