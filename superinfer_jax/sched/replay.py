@@ -177,7 +177,8 @@ def count_opcodes(fn, *args):
   ~1.7x between runs minutes apart, the count not at all (same state, same count). The cyclic GC is paused
   during the call: a collection could otherwise run other objects' Python finalizers or ``gc.callbacks`` inside
   it, and when it fires depends on the whole process. The tracer slows the call ~50x, so count a few steps,
-  not the timed ones.
+  not the timed ones. It is a check that Python-level work did not grow, not a cost: a ``map`` over a C
+  function counts once however many elements it calls the function on.
   """
   count = 0
 
