@@ -5,6 +5,9 @@
 """
 from __future__ import annotations
 
+import os
+import threading
+
 
 def cdiv(a: int, b: int) -> int:
   """Ceiling of ``a / b`` for ints ``a >= 0``, ``b > 0``: e.g. the blocks of ``b`` tokens that hold ``a``.
@@ -40,8 +43,6 @@ def set_thread_nice(nice: int) -> bool:
   value. Lowering it below its current value needs ``CAP_SYS_NICE``: without it, or off Linux, nothing
   changes and the result is False.
   """
-  import os  # pylint: disable=import-outside-toplevel
-  import threading  # pylint: disable=import-outside-toplevel
   if not -20 <= nice <= 19:
     raise ValueError(f"nice must be in [-20, 19], got {nice}")
   if not hasattr(os, "setpriority"):
