@@ -659,17 +659,18 @@ class Scheduler:
       demand += r._demand  # leaves the queued demand (a running request's _demand is not read)
       c = r.num_computed_tokens
       emit(ScheduledSeq(r.req_id, 1, c, table, True))  # _emit(r, 1), inline: c + 1 == planned_tokens
+      c += 1  # the pending token, computed by this step
       # _to_running(r), inline
       r.state = RUNNING
       r.state_time = now
       r._touched_step = r._admit_step = step
-      r._gen_at_admit = gen = c + 1 - r.prompt_len  # num_generated + inflight_samples
+      r._gen_at_admit = gen = c - r.prompt_len  # num_generated + inflight_samples
       # _finalize's general path for this seq, less the block manager's mark (done there, in plan order)
-      r.num_computed_tokens = c + 1
+      r.num_computed_tokens = c
       r.inflight_samples += 1
-      if track and gen + 1 < r.max_tokens:
+      if track and gen < r.max_tokens - 1:  # gen + 1 < max_tokens
         need_tok += 1
-        if not (c + 1) % bs:
+        if not c % bs:
           need_blk += 1
     self._demand -= demand
     sn = self._swapin_need
