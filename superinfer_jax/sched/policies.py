@@ -100,6 +100,11 @@ class Policy:
     """Waiting + rotary requests, highest priority first."""
     return sched.waiting.iter_requests()
 
+  def scan_candidates(self, sched, now: float) -> Iterator[Request]:
+    """``candidates()`` for a scan that changes no queue while it runs (``prioritize``), which may read the
+    queues without a snapshot (``SortedQueue.view``). Default: ``candidates()``."""
+    return self.candidates(sched, now)
+
   def schedule_step(self, sched, plan, now: float) -> None:
     raise NotImplementedError
 
@@ -231,7 +236,7 @@ class RotationPolicy(Policy):
       return R, b_used
     urgent = None if type(self).urgent is RotationPolicy.urgent else self.urgent  # None: always urgent
     # At most lvf_scan_limit candidates; the other stopping rules are checked where their inputs change.
-    for r in itertools.islice(self.candidates(sched, now), cfg.lvf_scan_limit):
+    for r in itertools.islice(self.scan_candidates(sched, now), cfg.lvf_scan_limit):
       if r._touched_step == step or r.inflight_samples:
         continue
       blk = r._demand  # blocks_for(planned_tokens), kept by the queues (inflight_samples is 0 here)
@@ -349,6 +354,9 @@ class RotaSched(RotationPolicy):
   def candidates(self, sched, now):
     return _lvf_merge(sched.waiting.entries(), sched.rotary.entries(), now, sched.config.alpha)
 
+  def scan_candidates(self, sched, now):
+    return _lvf_merge(sched.waiting.view(), sched.rotary.view(), now, sched.config.alpha)
+
 
 class RotaSchedStrict(RotaSched):
   """RotaSched that rotates only for requests that really lag (beyond the paper's Algorithm 1 as read).
@@ -446,7 +454,8 @@ class RotaSchedCode(Policy):
 
 
 def _lvf_merge(waiting: list, rotary: list, now: float, alpha: float) -> Iterator[Request]:
-  """Largest VLT first over the two queue snapshots (each sorted by its VLT zero point, ascending).
+  """Largest VLT first over the two queues' entry lists (each sorted by its VLT zero point, ascending):
+  snapshots, or the queues' own lists for a read-only scan (``scan_candidates``).
 
   The same order as ``heapq.merge(waiting, rotary, key=k)`` with ``k = (-VLT, -x)``, ``x`` the un-ReLU'd lag
   (``now - key`` for waiting, ``alpha * (now - key)`` for rotary), ties going to waiting. Since
@@ -454,7 +463,8 @@ def _lvf_merge(waiting: list, rotary: list, now: float, alpha: float) -> Iterato
   its ``x`` is strictly larger. The scan runs every step, so the merge works run by run: along a queue
   ``x`` never grows (the keys ascend; float subtraction and, for ``alpha >= 0``, multiplication are
   monotone), so the entries that go before the other queue's head form a prefix, found by bisection and
-  passed on as one slice. Per request only C code runs (``map``, ``chain``); Python work is per run.
+  passed on as one lazy slice (``islice``: no copy, as a run is often consumed only in part). Per request only
+  C code runs (``map``, ``chain``); Python work is per run.
   A negative alpha reverses the rotary order of ``x``: then the plain element-wise merge is used.
   """
   if alpha < 0:
@@ -468,24 +478,25 @@ def _lvf_runs(waiting: list, rotary: list, now: float, alpha: float) -> Iterator
   nr = len(rotary)
   i = j = 0
   bisect_left = bisect.bisect_left
+  islice = itertools.islice  # runs are lazy views of the lists (no copy: a run is often consumed only in part)
   while i < nw and j < nr:
     xw = now - waiting[i][0][0]
     # Rotary entries that go before waiting[i]: those with alpha * (now - key) > xw (a prefix from j).
     k = bisect_left(rotary, True, j, nr, key=lambda e: not alpha * (now - e[0][0]) > xw)
     if k > j:
-      yield map(_REQ, rotary[j:k])
+      yield map(_REQ, islice(rotary, j, k))
       j = k
       if j == nr:
         break
     xr = alpha * (now - rotary[j][0][0])
     # Waiting entries that go before rotary[j]: those with not xr > now - key (a prefix from i, >= 1 long).
     k = bisect_left(waiting, True, i + 1, nw, key=lambda e: xr > now - e[0][0])
-    yield map(_REQ, waiting[i:k])
+    yield map(_REQ, islice(waiting, i, k))
     i = k
   if i < nw:
-    yield map(_REQ, waiting[i:])
+    yield map(_REQ, islice(waiting, i, None))
   if j < nr:
-    yield map(_REQ, rotary[j:])
+    yield map(_REQ, islice(rotary, j, None))
 
 
 _REQ = operator.itemgetter(2)  # a queue entry's request

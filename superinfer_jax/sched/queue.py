@@ -105,5 +105,11 @@ class SortedQueue:
     """Snapshot of ``(key, seq, request)`` entries, head first."""
     return list(self._items)
 
+  def view(self) -> list:
+    """The ``(key, seq, request)`` entries themselves, head first: no copy, so valid only while the queue does
+    not change (a read-only scan such as ``prioritize``; the caller must not mutate it). Under rotation the
+    rotary queue holds ~800 entries, and a snapshot's copy touches every entry's reference count each step."""
+    return self._items
+
   def head(self) -> Request | None:
     return self._items[0][2] if self._items else None
