@@ -697,13 +697,15 @@ def test_sorted_queue_remove_many_in_any_order_or_refused_whole(seed):
   q.push_many(reqs, [(rng.choice([0.0, 1.0, rng.random()]),) for _ in reqs])
   before = q.entries()
   pick = rng.sample(reqs, rng.randint(2, 12))
+  pick.sort(key=lambda r: r._qentry)
+  pick.append(pick.pop(0))  # the queue-first last: the others lie after pick[-1], so the whole-queue pass runs
   stranger = Request(99, 1, 1, 0.0)  # never queued
   bad = pick[:]
   bad.insert(rng.randrange(len(bad) + 1), stranger)
   with pytest.raises(KeyError):
     q.remove_many(bad)
   assert q.entries() == before and all(r._qentry is not None for r in pick)
-  q.remove_many(pick)  # random order: some lie after pick[-1] in the queue
+  q.remove_many(pick)
   assert q.entries() == [e for e in before if e[2] not in pick] and all(r._qentry is None for r in pick)
 
 

@@ -408,8 +408,9 @@ class LLMEngine:
       if set_thread_nice(config.host_thread_nice):
         self.host_thread_nice = config.host_thread_nice
       else:
-        logging.getLogger(__name__).warning("EngineConfig.host_thread_nice=%d: could not set it (needs CAP_SYS_NICE to lower); the "
-                        "host thread keeps its priority", config.host_thread_nice)
+        logging.getLogger(__name__).warning(
+            "EngineConfig.host_thread_nice=%d: could not set it (needs CAP_SYS_NICE to lower); the host thread "
+            "keeps its priority", config.host_thread_nice)
 
   # ------------------------------------------------------------------------------------------ sizing
   def _put(self, x: np.ndarray, commit: bool = False) -> jax.Array:

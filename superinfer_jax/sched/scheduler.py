@@ -502,10 +502,9 @@ class Scheduler:
     now = self._now
     bs = self.bm.block_size
     running = self.running
-    for rid in rids:
-      del running[rid]
     residency = demand = 0
     for r in rs:
+      del running[r.req_id]
       r.state = ROTARY
       r.state_time = now
       r._touched_step = r._out_step = step
