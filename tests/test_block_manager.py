@@ -9,7 +9,7 @@ import pytest
 
 from superinfer_jax.kv.block_manager import BlockManager
 from superinfer_jax.kv.layout import PADDING_BLOCK
-from superinfer_jax.kv.pairs import PairList
+from superinfer_jax.kv.pairs import PairList, h2d_pairs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -442,7 +442,18 @@ def test_batched_swaps_equal_one_by_one(seed):
   swapped = [r for r in bm._seqs if bm.is_swapped(r)]
   rng.shuffle(swapped)
   grow = rng.choice([0, 1, bs + 1])
+  columns = copy.deepcopy(bm)  # the same swap-ins into array columns (the scheduler's h2d_pairs)
+  host_before = {r: bm.host_block_table(r) for r in swapped}
+  start = len(out_a)
   tables = bm.swap_in_many(swapped, grow, out_a)
+  # Reference: each request swapped in, in order, pairs its host blocks (as they were) with its first new device
+  # blocks; blocks added for the growth have no host copy and no pair.
+  expected = [p for r, t in zip(swapped, tables) for p in zip(host_before[r], t[:len(host_before[r])])]
+  assert list(out_a)[start:] == expected
+  out_c = h2d_pairs()
+  assert columns.swap_in_many(swapped, grow, out_c) == tables
+  assert list(out_c) == expected and out_c.srcs.typecode == out_c.dsts.typecode == "i"
+  assert _bm_state(columns) == _bm_state(bm)
   singles = []
   for rid in swapped:
     t = one.swap_in_grow(rid, grow, out_b)

@@ -142,6 +142,17 @@ def _no_blocks(n: int) -> array:
 ReqId = Hashable
 
 
+def _extend_column(col, pieces: list, typecode: str) -> None:
+  """Appends the id arrays ``pieces`` (of ``typecode``) to ``col`` in order: one copy into an ``array`` column of
+  the same typecode, else one ``+=`` per piece (a list column; another array type raises as ``+=`` does)."""
+  if type(col) is array and col.typecode == typecode:
+    if pieces:
+      col.frombytes(b"".join(pieces))
+  else:
+    for p in pieces:
+      col += p
+
+
 class _Seq:
   """One request's logical blocks (parallel columns, indexed by logical block; ``dev`` is empty while the
   request is swapped out, so ``len(host)`` is the block count in both states)."""
@@ -678,6 +689,10 @@ class BlockManager:
     head = self._dev_head
     nfree = len(free)
     tables = []
+    # The pairs' columns are extended once at the end, from the pieces collected here: appending each request's
+    # ids in turn would grow the columns (thousands of ids per step under rotation) by repeated reallocation.
+    src_pieces = []
+    dst_pieces = []
     for req_id in req_ids:
       s = seqs[req_id]
       if not s.on_host:
@@ -689,18 +704,21 @@ class BlockManager:
         break
       devs = free[head:end]  # _take_dev(need), inline (the free list's head, in order)
       s.dev += devs  # in place (see swap_out; it was empty)
-      srcs += host
       if end - head == len(host):
-        dsts += devs
-      else:
+        src_pieces.append(host)
+        dst_pieces.append(devs)
+      else:  # the new tokens start new blocks: they have no host copy (and no H2D pair)
         n = len(host)
-        dsts += devs[:n]
+        src_pieces.append(host[:n])
+        dst_pieces.append(devs[:n])
         host += _no_blocks(end - head - n)
         s.host_tokens += [0] * (end - head - n)
       head = end
       s.on_host = False
       s.num_tokens = tokens
       tables.append(devs)
+    _extend_column(srcs, src_pieces, HOST_IDS)
+    _extend_column(dsts, dst_pieces, DEV_IDS)
     if head + head >= nfree:  # compact as _take_dev does (the consumed prefix is at least half)
       del free[:head]
       head = 0
