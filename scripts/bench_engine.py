@@ -43,7 +43,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from superinfer_jax.engine.config import define_engine_flags, engine_config_from_flags  # noqa: E402
 
-flags.DEFINE_string("model", "smollm2-135m", "built-in name or .gguf path (torch side needs a GGUF)")
+flags.DEFINE_string("model", "smollm2-135m", "built-in name, .gguf path or HF model directory")
 flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "batch sizes")
 flags.DEFINE_integer("prompt_len", 32, "prompt tokens per request")
 flags.DEFINE_integer("max_tokens", 64, "new tokens per request")
@@ -161,6 +161,18 @@ def bench_torch(model, batch, prompt_len, max_tokens, vocab, warm_up=True):
           "total_s": total, "loadavg_1m": loadavg_1m()}
 
 
+def _load_torch_model(path):
+  """transformers' model on the same weights: a GGUF file (de-quantized to f32) or an HF model directory."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  if os.path.isdir(path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+  else:
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float32)
+  return model.eval()
+
+
 def _rounded(x):
   if isinstance(x, float):
     return round(x, 4)
@@ -192,12 +204,9 @@ def main(argv):
   tmodel = None
   if FLAGS.torch:
     import torch  # pylint: disable=import-outside-toplevel
-    import transformers  # pylint: disable=import-outside-toplevel
     if FLAGS.torch_threads:
       torch.set_num_threads(FLAGS.torch_threads)
-    path = resolve_model_path(FLAGS.model)
-    tmodel = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float32).eval()
+    tmodel = _load_torch_model(resolve_model_path(FLAGS.model))
   vocab = model[0].vocab_size
   for b in batches:
     runs = {name: [] for name in list(engines) + (["transformers"] if tmodel is not None else [])}

@@ -1,0 +1,46 @@
+"""scripts/bench_engine.py end to end on a tiny random-weight HF model dir (subprocess): the JSON rows issue 15
+asks for (per batch, each engine loop and transformers side by side, with the keys the notes' tables read)."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args, timeout=600):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+  return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_engine.py")] + args,
+                        capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_bench_engine_rows_side_by_side(tiny_model_dir):
+  out = _run([f"--model={tiny_model_dir}", "--batch_sizes=1,3", "--prompt_len=5", "--max_tokens=6",
+              "--num_device_blocks=64", "--repeats=2", "--torch_threads=1", "--host_thread_nice=0"])
+  assert out.returncode == 0, out.stderr[-3000:]
+  rows = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
+  # Per batch: the zero-bubble loop, the pipelined loop, then transformers.
+  assert [(r["impl"], r["batch"], r.get("loop")) for r in rows] == [
+      (impl, b, loop) for b in (1, 3)
+      for impl, loop in (("superinfer_jax", "zero_bubble"), ("superinfer_jax", "pipelined"), ("transformers", None))]
+  for i in range(0, len(rows), 3):
+    zb, pipe, torch_row = rows[i:i + 3]
+    assert zb["zero_bubble"] is True and pipe["zero_bubble"] is False
+    for r in (zb, pipe):
+      assert r["decode_tok_s"] > 0 and r["repeats"] == 2
+      ratio = r["decode_tok_s"] / torch_row["decode_tok_s"]   # both rounded to 4 decimals in the output
+      assert abs(r["speedup_vs_torch_decode"] - ratio) <= 1e-3 * ratio
+      assert r["device_idle_ms_per_step"] >= 0 and r["idle_pairs"] > 0
+      for phases in (r["host_ms_per_step"], r["decode_host_ms_per_step"]):
+        assert set(phases) == {"schedule", "issue", "dispatch", "dispatch_cpu", "process", "exposed_host"}
+        assert all(v >= 0 for v in phases.values())
+      assert r["discarded_tokens"] == 0   # ignore_eos: every request runs to max_tokens, nothing stops early
+    # The zero-bubble loop reads step k's ids only after dispatching k+1: no host time exposed between steps.
+    assert zb["decode_host_ms_per_step"]["exposed_host"] == 0
+    assert pipe["decode_host_ms_per_step"]["exposed_host"] > 0
+    assert torch_row["decode_tok_s"] > 0 and "speedup_vs_torch_decode" not in torch_row
+
+
+def test_bench_engine_rejects_unknown_loop(tiny_model_dir):
+  out = _run([f"--model={tiny_model_dir}", "--batch_sizes=1", "--loops=zero_bubble,warp", "--notorch"], timeout=300)
+  assert out.returncode != 0 and "warp" in out.stderr
