@@ -37,7 +37,8 @@ def _numpy_attention(batch, layer, scale, window=None):
       for h in range(Hq):
         k = keys[max(lo, 0):p + 1, h // group]
         v = vals[max(lo, 0):p + 1, h // group]
-        w = np.exp((k @ q[t, h]) * scale - np.max((k @ q[t, h]) * scale))
+        logits = (k @ q[t, h]) * scale
+        w = np.exp(logits - logits.max())
         out[t, h] = (w / w.sum()) @ v
   return out
 
