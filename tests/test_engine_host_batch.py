@@ -84,3 +84,24 @@ def test_plan_changes_rebuild(change):
     nxt[0] = nxt[0]._replace(sampling=None)
   hb.build(nxt)
   assert hb.rebuilds == 2
+
+
+def test_pack_from_scratch_sampling_and_feed_columns():
+  """Hand-worked rows: a prefill chunk that does not sample, a fed decode token, a host-token decode with a
+  seed above 2**31, and a sampling prefill chunk; padding rows stay greedy."""
+  hb = HostBatch(BS, token_floor=8, seq_floor=4, blocks_floor=2)
+  seqs = [SeqInput("p", [1, 2, 3], 0, [5], -1, True, None, 0),
+          SeqInput("f", [], 9, [6, 7, 8], 2, False, (0.7, 5, 0.8, 3), 4),
+          SeqInput("h", [42], 4, [9, 10], -1, False, (0.0, 0, 1.0, 2**32 - 1), 1),
+          SeqInput("q", [4, 5], 2, [11, 12], 0, True, (1.5, 0, 0.5, 7), 0)]
+  buf, dims = hb.pack_from_scratch(seqs)
+  assert dims == (8, 4, 4, 4)
+  col = {k: buf[a:b] for k, (a, b) in packing.offsets(dims).items()}
+  # tokens: p 0..2, f 3 (fed), h 4, q 5..7 (the last one fed)
+  assert col["feed"].tolist() == [-1, -1, -1, 2, -1, -1, -1, 0]
+  assert col["token_ids"].tolist() == [1, 2, 3, 0, 42, 4, 5, 0]
+  np.testing.assert_array_equal(col["temperature"].view(np.float32), np.float32([0, 0.7, 0, 1.5]))
+  assert col["top_k"].tolist() == [0, 5, 0, 0]
+  np.testing.assert_array_equal(col["top_p"].view(np.float32), np.float32([1, 0.8, 1, 0.5]))
+  assert col["seed"].view(np.uint32).tolist() == [0, 3, 2**32 - 1, 7]
+  assert col["step"].tolist() == [0, 4, 1, 0]

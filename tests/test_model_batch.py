@@ -49,3 +49,63 @@ def test_padding_sequences_and_all_logits():
 def test_build_batch_errors(seqs, match):
   with pytest.raises(ValueError, match=match):
     build_batch(seqs, 4)
+
+
+def _reference_build(seqs, bs, logits, token_floor, seq_floor, blocks_floor, rows_floor):
+  """A plain per-sequence, per-token packing (the definition ``build_batch`` vectorises)."""
+  nbs = [-(-(c + len(t)) // bs) for t, c, _ in seqs]
+  t_real = sum(len(t) for t, _, _ in seqs)
+  r_real = len(seqs) if logits == "last" else t_real
+  T, S = bucket(t_real, token_floor), bucket(len(seqs), seq_floor)
+  MB, R = bucket(max(nbs), blocks_floor), bucket(r_real, rows_floor)
+  tok, pos, slot = [0] * T, [0] * T, [i % bs for i in range(T)]
+  tables = [[0] * MB for _ in range(S)]
+  ctx, qsl, rows = [0] * S, [t_real] * (S + 1), [0] * R
+  t = 0
+  for i, ((tokens, c, table), nb) in enumerate(zip(seqs, nbs)):
+    qsl[i] = t
+    for j in range(nb):
+      tables[i][j] = int(table[j])
+    for k, x in enumerate(tokens):
+      p = c + k
+      tok[t], pos[t], slot[t] = int(x), p, int(table[p // bs]) * bs + p % bs
+      if logits == "all":
+        rows[t] = t
+      t += 1
+    ctx[i] = c + len(tokens)
+    if logits == "last":
+      rows[i] = t - 1
+  return [tok, pos, slot, tables, ctx, qsl, rows], r_real
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_build_batch_matches_a_per_token_reference(seed):
+  """Random ragged batches (prefill chunks and decode tokens, tables as lists, arrays and numpy with extra
+  entries, both logits modes, random floors) against a per-token loop."""
+  from array import array
+  rng = np.random.default_rng(seed)
+  bs = int(rng.choice([1, 4, 16]))
+  seqs = []
+  for _ in range(int(rng.integers(1, 70))):
+    n = int(rng.choice([1, 1, 1, rng.integers(1, 40)]))
+    c = int(rng.integers(0, 100))
+    nb = -(-(c + n) // bs) + int(rng.integers(0, 3))
+    table = rng.permutation(np.arange(1, 400))[:nb].astype(np.int32)
+    kind = seed % 3
+    table = table.tolist() if kind == 0 else array("i", table.tolist()) if kind == 1 else table
+    tokens = rng.integers(0, 1000, n).tolist() if seed % 2 else tuple(rng.integers(0, 1000, n))
+    seqs.append((tokens, c, table))
+  logits = "last" if seed % 4 else "all"
+  floors = dict(token_floor=int(rng.choice([1, 8, 64])), seq_floor=int(rng.choice([1, 8])),
+                blocks_floor=int(rng.choice([1, 4])), rows_floor=int(rng.choice([1, 8])))
+  batch, rows = build_batch(seqs, bs, logits=logits, **floors)
+  want, want_rows = _reference_build(seqs, bs, logits, **floors)
+  assert rows == want_rows
+  for name, got, ref in zip(batch._fields, batch, want):
+    assert got.dtype == np.int32, name
+    np.testing.assert_array_equal(got, np.array(ref, np.int32), err_msg=name)
+
+
+def test_padding_block_error_names_the_sequence():
+  with pytest.raises(ValueError, match=r"sequence 2: block table uses the padding block"):
+    build_batch([([1], 0, [3]), ([1, 2], 3, [4, 5]), ([7], 20, [6, 0, 8])], 16)

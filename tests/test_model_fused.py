@@ -5,10 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from superinfer_jax.engine.engine import _unstack_layers
 from superinfer_jax.model import build_batch, init_kv_cache, load_config
 from superinfer_jax.model.forward import forward
-from superinfer_jax.model.fused import fuse_projections
+from superinfer_jax.model.fused import fuse_projections, layer_params, unroll_layers
 from superinfer_jax.model.params import init_random_params
 
 BS = 8
@@ -27,7 +26,7 @@ def test_fused_forward_matches_unfused(name, unrolled):
   params = init_random_params(cfg, jax.random.key(1), scale=0.2)
   fused = fuse_projections(params, cfg)
   if unrolled:
-    params, fused = _unstack_layers(params), _unstack_layers(fused)
+    params, fused = unroll_layers(params), unroll_layers(fused)
   seqs = [(list(range(3, 14)), 0, [1, 2]), ([40], 12, [3, 4]), ([7, 8], 5, [5])]   # prefill + decodes
   batch, rows = build_batch(seqs, BS, token_floor=16)
   cache = jax.random.normal(jax.random.key(2), cfg.kv_spec(BS).shape(6), jnp.float32)
@@ -59,8 +58,25 @@ def test_fused_layout_keys_columns_and_leaf_count(name):
   else:
     np.testing.assert_array_equal(np.asarray(lp["w_gate_up"][..., cfg.intermediate_size:]), before["w_up"])
     assert "w_gate" not in lp and "w_up" not in lp
-  per_layer = len(jax.tree.leaves(_unstack_layers(params))) - len(jax.tree.leaves(_unstack_layers(fused)))
-  saved = 2 + 1 + (2 if cfg.qkv_bias else 0) + (0 if cfg.is_moe else 1)   # q,k,v -> 1; norms 2 -> 1; ...
-  assert per_layer == saved * cfg.num_layers
+  per_layer = len(jax.tree.leaves(unroll_layers(params))) - len(jax.tree.leaves(unroll_layers(fused)))
+  saved = 2 + (2 if cfg.qkv_bias else 0) + (0 if cfg.is_moe else 1)   # q,k,v -> 1; b q,k,v -> 1; gate,up -> 1
+  assert per_layer == saved * cfg.num_layers + 1                # and norms: 2 stacked leaves -> 1
   again = fuse_projections(fused, cfg)                            # idempotent
   assert jax.tree.structure(again) == jax.tree.structure(fused)
+
+
+def test_unrolled_layout_keeps_the_norms_stacked():
+  """``unroll_layers``: one dict per layer without the norm weights, which stay stacked (one leaf for all
+  layers); ``layer_params`` puts layer i's slice back. Per-layer leaves: wqkv, wo, w_gate_up, w_down."""
+  cfg = _cfg("tiny-llama")
+  fused = fuse_projections(init_random_params(cfg, jax.random.key(0)), cfg)
+  un = unroll_layers(fused)
+  assert len(un["layers"]) == cfg.num_layers
+  assert set(un["layers"][0]) == {"wqkv", "wo", "w_gate_up", "w_down"}
+  assert set(un["stacked_layers"]) == {"norms"}
+  assert len(jax.tree.leaves(un)) == 4 * cfg.num_layers + 1 + len(jax.tree.leaves({k: v for k, v in fused.items()
+                                                                                     if k != "layers"}))
+  for i in range(cfg.num_layers):
+    lp = layer_params(un, i)
+    np.testing.assert_array_equal(np.asarray(lp["norms"]), np.asarray(fused["layers"]["norms"][i]))
+    np.testing.assert_array_equal(np.asarray(lp["wo"]), np.asarray(fused["layers"]["wo"][i]))

@@ -70,7 +70,7 @@ from superinfer_jax.kv.layout import BLOCK_FIRST
 from superinfer_jax.model import load_model, load_tokenizer
 from superinfer_jax.model.batch import bucket
 from superinfer_jax.model.forward import forward, init_kv_cache
-from superinfer_jax.model.fused import fuse_projections
+from superinfer_jax.model.fused import fuse_projections, unroll_layers
 from superinfer_jax.model.tokenizer import encode_text
 from superinfer_jax.parallel import distributed
 from superinfer_jax.parallel.tensor_parallel import make_tensor_parallel
@@ -103,14 +103,6 @@ def _eos_token_ids(cfg, tokenizer) -> set[int]:
     if isinstance(v, int):
       ids.add(v)
   return ids
-
-
-def _unstack_layers(params):
-  """``params`` with ``layers`` as a list of per-layer dicts: ``forward`` then unrolls the layer loop and
-  each matmul reads its weight where it lies (``EngineConfig.layer_loop``)."""
-  layers = params["layers"]
-  n = jax.tree.leaves(layers)[0].shape[0]
-  return dict(params, layers=[jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n)])
 
 
 class RequestError(ValueError):
@@ -355,8 +347,9 @@ class LLMEngine:
       self.layer_loop = "unrolled" if jax.default_backend() == "cpu" else "scan"
     if self.layer_loop == "unrolled":
       # Unrolled (CPU): every leaf is a jit argument, so fuse q|k|v and gate|up first (model/fused.py;
-      # 272 -> 152 leaves for SmolLM2). Tensor-parallel params stay unfused: their specs shard each.
-      self.params = _unstack_layers(fuse_projections(params, run_cfg) if self.tp is None else params)
+      # 272 -> 152 leaves for SmolLM2), and keep the norms stacked (unroll_layers: -> 123). Tensor-parallel
+      # params stay unfused: their specs shard each.
+      self.params = unroll_layers(fuse_projections(params, run_cfg) if self.tp is None else params)
     else:
       self.params = params
     self.tokenizer = tokenizer if tokenizer is not None else tok

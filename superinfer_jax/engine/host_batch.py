@@ -87,13 +87,19 @@ class HostBatch:
     T, R = batch.token_ids.shape[0], batch.logits_indices.shape[0]
     samp = SamplingArrays.empty(R)
     feed = np.full(T, -1, np.int32)
-    for i, s in enumerate(seqs):
-      if s.feed_row >= 0:
-        feed[batch.query_start_loc[i + 1] - 1] = s.feed_row
-      if s.sampling is not None:
-        t, k, p, seed = s.sampling
-        samp.temperature[i], samp.top_k[i], samp.top_p[i], samp.seed[i] = t, k, p, seed
-        samp.step[i] = s.step
+    # Column-wise (one numpy write per field, not one per sequence and field): a rebuild of 64-256 rows.
+    fed = [i for i, s in enumerate(seqs) if s.feed_row >= 0]
+    if fed:   # the fed token is the sequence's last new one
+      feed[batch.query_start_loc[np.array(fed) + 1] - 1] = [seqs[i].feed_row for i in fed]
+    sampled = [i for i, s in enumerate(seqs) if s.sampling is not None]
+    if sampled:
+      rows_idx = np.array(sampled)
+      temperature, top_k, top_p, seed = zip(*[seqs[i].sampling for i in sampled])
+      samp.temperature[rows_idx] = np.array(temperature, np.float32)
+      samp.top_k[rows_idx] = top_k
+      samp.top_p[rows_idx] = np.array(top_p, np.float32)
+      samp.seed[rows_idx] = np.array(seed, np.uint32)
+      samp.step[rows_idx] = [seqs[i].step for i in sampled]
     return packing.pack(batch, samp, feed)
 
   # ------------------------------------------------------------------------------------------ internals

@@ -11,6 +11,7 @@ padding logit rows are 0.
 """
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -76,7 +77,10 @@ def build_batch(seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]], block_
     raise ValueError("build_batch needs at least one sequence")
   if logits not in ("last", "all"):
     raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
-  new_lens, needed_blocks = [], []
+  # One pass of plain Python over the sequences (checks and lengths), then whole-array numpy: the engine
+  # rebuilds batches of 64-256 sequences, and a few numpy calls per sequence cost ~50 us each (3.6 ms for a
+  # 64-sequence decode batch, against ~0.3 ms vectorised).
+  new_lens, needed_blocks, computeds, tables = [], [], [], []
   for i, (tokens, computed, table) in enumerate(seqs):
     n = len(tokens)
     if n == 0:
@@ -87,38 +91,46 @@ def build_batch(seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]], block_
     if len(table) < nb:
       raise ValueError(f"sequence {i}: block table has {len(table)} blocks, needs {nb} for "
                        f"{computed + n} tokens at block_size {block_size}")
-    if any(int(b) == PADDING_BLOCK for b in table[:nb]):
-      raise ValueError(f"sequence {i}: block table uses the padding block {PADDING_BLOCK}")
     new_lens.append(n)
     needed_blocks.append(nb)
+    computeds.append(computed)
+    tables.append(table if len(table) == nb else table[:nb])
 
   t_real, s_real = sum(new_lens), len(seqs)
   r_real = s_real if logits == "last" else t_real
   T, S = bucket(t_real, token_floor), bucket(s_real, seq_floor)
   MB, R = bucket(max(needed_blocks), blocks_floor), bucket(r_real, rows_floor)
 
-  token_ids = np.zeros(T, np.int32)
-  positions = np.zeros(T, np.int32)
-  slot_mapping = (np.arange(T, dtype=np.int32) % block_size) + PADDING_BLOCK * block_size
+  lens = np.array(new_lens, np.int32)
+  nbs = np.array(needed_blocks, np.int32)
+  computed = np.array(computeds, np.int32)
+  starts = np.zeros(s_real + 1, np.int32)
+  np.cumsum(lens, out=starts[1:])                                      # query start of each sequence
+  # Block tables: the real entries of every row, flattened in row order, scattered into [S, MB].
+  flat_tables = np.fromiter(itertools.chain.from_iterable(tables), np.int32, count=int(nbs.sum()))
+  if np.any(flat_tables == PADDING_BLOCK):
+    bad = int(np.searchsorted(np.cumsum(nbs), int(np.argmax(flat_tables == PADDING_BLOCK)), side="right"))
+    raise ValueError(f"sequence {bad}: block table uses the padding block {PADDING_BLOCK}")
   block_tables = np.full((S, MB), PADDING_BLOCK, np.int32)
-  context_lens = np.zeros(S, np.int32)
-  query_start_loc = np.full(S + 1, t_real, np.int32)
-  logits_indices = np.zeros(R, np.int32)
+  table_rows = np.repeat(np.arange(s_real, dtype=np.int32), nbs)
+  table_starts = np.cumsum(nbs) - nbs
+  block_tables[table_rows, np.arange(flat_tables.size, dtype=np.int32) - np.repeat(table_starts, nbs)] = flat_tables
 
-  start = 0
-  for i, ((tokens, computed, table), n, nb) in enumerate(zip(seqs, new_lens, needed_blocks)):
-    table = np.asarray(table[:nb], np.int32)
-    pos = np.arange(computed, computed + n, dtype=np.int32)
-    token_ids[start:start + n] = np.asarray(tokens, np.int32)
-    positions[start:start + n] = pos
-    slot_mapping[start:start + n] = table[pos // block_size] * block_size + pos % block_size
-    block_tables[i, :nb] = table
-    context_lens[i] = computed + n
-    query_start_loc[i] = start
-    start += n
-  query_start_loc[s_real:] = t_real
+  token_ids = np.zeros(T, np.int32)
+  token_ids[:t_real] = np.fromiter(itertools.chain.from_iterable(s[0] for s in seqs), np.int32, count=t_real)
+  seq_of_token = np.repeat(np.arange(s_real, dtype=np.int32), lens)
+  pos = np.arange(t_real, dtype=np.int32) + np.repeat(computed - starts[:-1], lens)
+  positions = np.zeros(T, np.int32)
+  positions[:t_real] = pos
+  slot_mapping = (np.arange(T, dtype=np.int32) % block_size) + PADDING_BLOCK * block_size
+  slot_mapping[:t_real] = block_tables[seq_of_token, pos // block_size] * block_size + pos % block_size
+  context_lens = np.zeros(S, np.int32)
+  context_lens[:s_real] = computed + lens
+  query_start_loc = np.full(S + 1, t_real, np.int32)
+  query_start_loc[:s_real] = starts[:-1]
+  logits_indices = np.zeros(R, np.int32)
   if logits == "last":
-    logits_indices[:s_real] = query_start_loc[1:s_real + 1] - 1
+    logits_indices[:s_real] = starts[1:] - 1
   else:
     logits_indices[:t_real] = np.arange(t_real, dtype=np.int32)
   batch = BatchInputs(token_ids, positions, slot_mapping, block_tables, context_lens, query_start_loc,

@@ -116,7 +116,7 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
   Args:
     params: stacked params (see ``superinfer_jax.model.params``), or their fused layout
       (``model/fused.py``); ``layers`` may also be a list of per-layer dicts (the layer loop is then
-      unrolled).
+      unrolled), with the norm weights in ``stacked_layers`` (``fused.unroll_layers``) or per layer.
     kv_cache: ``[NB, L, 2, BS, Hkv, D]`` block-first cache (block 0 = padding).
     batch: ``BatchInputs`` (T tokens, S sequences, R logit rows).
     cfg: model config (static).
@@ -165,7 +165,8 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
   if isinstance(params["layers"], (list, tuple)):
     # Per-layer dicts: an unrolled loop, each matmul reads its weight in place (the scan's dynamic-slice
     # copies every layer's weights first: XLA CPU does not fuse it into the dot).
-    for layer, lp in enumerate(params["layers"]):
+    for layer in range(len(params["layers"])):
+      lp = fused.layer_params(params, layer)
       (x, kv_cache), _ = layer_body((x, kv_cache), (lp, layer, layer_windows[layer]))
   else:
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
