@@ -25,7 +25,11 @@ at nice ``--host_thread_nice`` (here -10 by default; ``EngineConfig.host_thread_
 CPU backend the host shares the cores with XLA's compute threads, and at equal priority its dispatch waited
 out their time slices (batch 64, six runs: wall 0.69-1.88 ms for 0.66-0.89 ms of CPU; at -10, 0.68-1.03 ms
 for 0.67-0.83 ms, 2026-12-01 night). Each engine row reports the value applied (``host_thread_nice``; null: not
-permitted, or 0).
+permitted, or 0). It is also real-time (``--host_thread_policy``, here fifo by default;
+``EngineConfig.host_thread_policy``): nice alone still left it waiting on the run queue behind the compute
+threads on this kernel (batch 64, 2026-12-02: 0.25-0.77 ms of run-queue delay per dispatch at nice -10, none
+as SCHED_FIFO; ``/proc/thread-self/schedstat``). Rows report it (``host_thread_policy``; null: not permitted,
+or other). transformers runs in the same thread afterwards, under the same policy and nice value.
 
   python scripts/bench_engine.py --batch_sizes=1,16,64 --prompt_len=32 --max_tokens=64 --num_device_blocks=512
 """
@@ -56,6 +60,7 @@ flags.DEFINE_integer("torch_threads", 0, "torch.set_num_threads (0: leave defaul
 define_engine_flags()
 # The host thread outranks XLA's compute threads on a CPU backend (docs/platform.md); 0 leaves it alone.
 flags.FLAGS.set_default("host_thread_nice", -10)
+flags.FLAGS.set_default("host_thread_policy", "fifo")
 FLAGS = flags.FLAGS
 
 
@@ -132,6 +137,7 @@ def bench_engine(engine, batch, prompt_len, max_tokens, warm_up=True):
           "discarded_tokens": st.discarded_tokens,
           "pipeline": c.pipeline, "policy": c.scheduler.policy, "attention": c.model.attention,
           "token_bucket_floor": c.token_bucket_floor, "host_thread_nice": engine.host_thread_nice,
+          "host_thread_policy": engine.host_thread_policy,
           "loadavg_1m": loadavg_1m()}
 
 

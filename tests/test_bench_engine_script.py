@@ -16,7 +16,8 @@ def _run(args, timeout=600):
 
 def test_bench_engine_rows_side_by_side(tiny_model_dir):
   out = _run([f"--model={tiny_model_dir}", "--batch_sizes=1,3", "--prompt_len=5", "--max_tokens=6",
-              "--num_device_blocks=64", "--repeats=2", "--torch_threads=1", "--host_thread_nice=0"])
+              "--num_device_blocks=64", "--repeats=2", "--torch_threads=1", "--host_thread_nice=0",
+              "--host_thread_policy=other"])   # a test leaves the thread's priority alone
   assert out.returncode == 0, out.stderr[-3000:]
   rows = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
   # Per batch: the zero-bubble loop, the pipelined loop, then transformers.
@@ -34,6 +35,7 @@ def test_bench_engine_rows_side_by_side(tiny_model_dir):
       for phases in (r["host_ms_per_step"], r["decode_host_ms_per_step"]):
         assert set(phases) == {"schedule", "issue", "dispatch", "dispatch_cpu", "process", "exposed_host"}
         assert all(v >= 0 for v in phases.values())
+      assert r["host_thread_nice"] is None and r["host_thread_policy"] is None   # left alone (flags above)
       assert r["discarded_tokens"] == 0   # ignore_eos: every request runs to max_tokens, nothing stops early
     # The zero-bubble loop reads step k's ids only after dispatching k+1: no host time exposed between steps.
     assert zb["decode_host_ms_per_step"]["exposed_host"] == 0

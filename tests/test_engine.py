@@ -408,6 +408,39 @@ def _in_thread(fn):
   return out["value"]
 
 
+def test_host_thread_policy_fifo_applies_to_the_building_thread_only(model, caplog):
+  """``host_thread_policy="fifo"``: the thread that builds the engine becomes SCHED_FIFO (where permitted:
+  CAP_SYS_NICE; else a warning and no change), a thread it starts afterwards is a normal one (reset on
+  fork), the engine still generates, and pytest's thread keeps its policy; "other" leaves the thread alone."""
+  import os
+  import threading
+  from superinfer_jax.util import set_thread_realtime
+
+  def build(policy):
+    eng = _engine(model, host_thread_policy=policy)
+    mine = os.sched_getscheduler(0)
+    child = {}
+    t = threading.Thread(target=lambda: child.setdefault("policy", os.sched_getscheduler(0)))
+    t.start()
+    t.join()
+    out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    return eng.host_thread_policy, mine, child["policy"], len(out[0].token_ids)
+
+  main_policy = os.sched_getscheduler(0)
+  reset = getattr(os, "SCHED_RESET_ON_FORK", 0)
+  with caplog.at_level("WARNING"):
+    applied, mine, child, n = _in_thread(lambda: build("fifo"))
+  assert n == 3
+  if applied == "fifo":
+    assert mine & ~reset == os.SCHED_FIFO and child == os.SCHED_OTHER
+  else:   # not permitted here: said so, and nothing changed
+    assert applied is None and mine == main_policy and "could not make the host thread real-time" in caplog.text
+  assert _in_thread(lambda: build("other"))[:2] == (None, main_policy)
+  assert os.sched_getscheduler(0) == main_policy   # pytest's thread untouched
+  with pytest.raises(ValueError, match="priority"):
+    set_thread_realtime(0)
+
+
 def test_host_thread_nice_applies_to_the_building_thread_only(model):
   import os
   import threading

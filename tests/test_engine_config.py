@@ -90,6 +90,7 @@ def test_flags_reject_unknown_policy():
     (dict(min_residency=-1), "min_residency"), (dict(rotation_max_bucket=12), "power of two"),
     (dict(kv_layout="diagonal"), "kv_layout"), (dict(host_thread_nice=20), "host_thread_nice"),
     (dict(host_thread_nice=-21), "host_thread_nice"), (dict(host_thread_nice=True), "host_thread_nice"),
+    (dict(host_thread_policy="rr"), "host_thread_policy"),
 ])
 def test_config_validation(kw, field):
   with pytest.raises(ValueError, match=field):

@@ -31,6 +31,7 @@ FINISH_ABORT = "abort"      # aborted by the caller
 FINISH_ERROR = "error"      # the request could not be served (e.g. it can never fit the device pool)
 FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR)
 LAYER_LOOPS = ("auto", "scan", "unrolled")
+HOST_THREAD_POLICIES = ("other", "fifo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,11 @@ class EngineConfig:
                                   "compute threads share the cores, and a negative value lets the host dispatch "
                                   "without waiting out their time slices (docs/platform.md); lowering needs "
                                   "CAP_SYS_NICE, else a warning")
+  host_thread_policy: str = knob("other", "scheduling policy of that thread: other (leave it) or fifo (real-time "
+                                           "SCHED_FIFO priority 1, not inherited by threads it starts): on CPU it "
+                                           "then never waits on the run queue behind XLA's compute threads, which "
+                                           "nice alone does not prevent (docs/platform.md); needs CAP_SYS_NICE, "
+                                           "else a warning", choices=HOST_THREAD_POLICIES)
   tensor_parallel_size: int = knob(1, "devices of the 1-D tensor-parallel mesh (weights and KV sharded by "
                                       "heads; docs/parallel.md)")
   layer_loop: str = knob("auto", "model layers as a scan (one compiled layer body) or unrolled (no "

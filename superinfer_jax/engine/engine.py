@@ -78,7 +78,7 @@ from superinfer_jax.parallel.mesh import free_device_bytes
 from superinfer_jax.rotation import DuplexKV
 from superinfer_jax.sched import Request, Scheduler, WallClock
 from superinfer_jax.sched.protocol import SchedulerProtocol
-from superinfer_jax.util import set_thread_nice
+from superinfer_jax.util import set_thread_nice, set_thread_realtime
 
 PromptType = Union[str, Sequence[int]]
 
@@ -404,6 +404,14 @@ class LLMEngine:
         logging.getLogger(__name__).warning(
             "EngineConfig.host_thread_nice=%d: could not set it (needs CAP_SYS_NICE to lower); the host thread "
             "keeps its priority", config.host_thread_nice)
+    self.host_thread_policy = None   # "fifo" once applied to the building thread, None: left as it was
+    if config.host_thread_policy == "fifo":
+      if set_thread_realtime():
+        self.host_thread_policy = "fifo"
+      else:
+        logging.getLogger(__name__).warning(
+            "EngineConfig.host_thread_policy='fifo': could not make the host thread real-time (needs "
+            "CAP_SYS_NICE); it keeps its scheduling policy")
 
   # ------------------------------------------------------------------------------------------ sizing
   def _put(self, x: np.ndarray, commit: bool = False) -> jax.Array:
