@@ -7,7 +7,7 @@ import pytest
 
 from superinfer_jax.model import build_batch, init_kv_cache, load_config
 from superinfer_jax.model.forward import forward
-from superinfer_jax.model.fused import fuse_projections, layer_params, unroll_layers
+from superinfer_jax.model.fused import fuse_projections, layer_params, transpose_mlp, unroll_layers
 from superinfer_jax.model.params import init_random_params
 
 BS = 8
@@ -21,10 +21,14 @@ def _cfg(name):
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mixtral"])
 @pytest.mark.parametrize("unrolled", [False, True])
-def test_fused_forward_matches_unfused(name, unrolled):
+@pytest.mark.parametrize("mlp_t", [False, True])
+def test_fused_forward_matches_unfused(name, unrolled, mlp_t):
   cfg = _cfg(name)
   params = init_random_params(cfg, jax.random.key(1), scale=0.2)
   fused = fuse_projections(params, cfg)
+  if mlp_t:   # the dense MLP's weights stored [out, in] (the engine's CPU layout); MoE experts unchanged
+    fused = transpose_mlp(fused)
+    assert ("w_down_t" in fused["layers"]) == (not cfg.is_moe)
   if unrolled:
     params, fused = unroll_layers(params), unroll_layers(fused)
   seqs = [(list(range(3, 14)), 0, [1, 2]), ([40], 12, [3, 4]), ([7, 8], 5, [5])]   # prefill + decodes
@@ -80,3 +84,20 @@ def test_unrolled_layout_keeps_the_norms_stacked():
     lp = layer_params(un, i)
     np.testing.assert_array_equal(np.asarray(lp["norms"]), np.asarray(fused["layers"]["norms"][i]))
     np.testing.assert_array_equal(np.asarray(lp["wo"]), np.asarray(fused["layers"]["wo"][i]))
+
+
+def test_transpose_mlp_stores_the_mlp_out_in():
+  """``transpose_mlp``: ``w_gate_up_t`` / ``w_down_t`` are the transposes (per layer, stacked and unrolled), the
+  originals are gone and the input is untouched; MoE params pass through unchanged."""
+  cfg = _cfg("tiny-llama")
+  fused = fuse_projections(init_random_params(cfg, jax.random.key(0)), cfg)
+  t = transpose_mlp(fused)
+  lp, tp = fused["layers"], t["layers"]
+  assert "w_gate_up" in lp and "w_gate_up" not in tp and "w_down" not in tp
+  np.testing.assert_array_equal(np.asarray(tp["w_gate_up_t"]), np.swapaxes(np.asarray(lp["w_gate_up"]), -1, -2))
+  np.testing.assert_array_equal(np.asarray(tp["w_down_t"]), np.swapaxes(np.asarray(lp["w_down"]), -1, -2))
+  un = unroll_layers(t)
+  assert set(un["layers"][0]) == {"wqkv", "wo", "w_gate_up_t", "w_down_t"}
+  moe = _cfg("tiny-mixtral")
+  mp = fuse_projections(init_random_params(moe, jax.random.key(0)), moe)
+  assert jax.tree.structure(transpose_mlp(mp)) == jax.tree.structure(mp)

@@ -70,7 +70,7 @@ from superinfer_jax.kv.layout import BLOCK_FIRST
 from superinfer_jax.model import load_model, load_tokenizer
 from superinfer_jax.model.batch import bucket
 from superinfer_jax.model.forward import forward, init_kv_cache
-from superinfer_jax.model.fused import fuse_projections, unroll_layers
+from superinfer_jax.model.fused import fuse_projections, transpose_mlp, unroll_layers
 from superinfer_jax.model.tokenizer import encode_text
 from superinfer_jax.parallel import distributed
 from superinfer_jax.parallel.tensor_parallel import make_tensor_parallel
@@ -347,9 +347,11 @@ class LLMEngine:
       self.layer_loop = "unrolled" if jax.default_backend() == "cpu" else "scan"
     if self.layer_loop == "unrolled":
       # Unrolled (CPU): every leaf is a jit argument, so fuse q|k|v and gate|up first (model/fused.py;
-      # 272 -> 152 leaves for SmolLM2), and keep the norms stacked (unroll_layers: -> 123). Tensor-parallel
-      # params stay unfused: their specs shard each.
-      self.params = unroll_layers(fuse_projections(params, run_cfg) if self.tp is None else params)
+      # 272 -> 152 leaves for SmolLM2), keep the norms stacked (unroll_layers: -> 123), and store the dense
+      # MLP's weights [out, in] (transpose_mlp: XLA CPU's 16-64-row products run faster against them; engine
+      # decode ~5% faster at batch 16, ~2% at 64, batch 1 within noise). Tensor-parallel params stay unfused:
+      # their specs shard each.
+      self.params = unroll_layers(transpose_mlp(fuse_projections(params, run_cfg)) if self.tp is None else params)
     else:
       self.params = params
     self.tokenizer = tokenizer if tokenizer is not None else tok

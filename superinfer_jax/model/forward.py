@@ -158,7 +158,7 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
       x = x + moe_mlp(h, lp, cfg.num_experts_per_token, impl=moe)
     else:
       gate, up = fused.gate_up(h, lp)
-      x = x + matmul((jax.nn.silu(gate) * up).astype(h.dtype), lp["w_down"])
+      x = x + fused.down((jax.nn.silu(gate) * up).astype(h.dtype), lp)
     return (x, kv), None
 
   layer_windows = jnp.asarray(windows or (0,) * cfg.num_layers, jnp.int32)
