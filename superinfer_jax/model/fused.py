@@ -108,12 +108,9 @@ def down(a: jax.Array, lp) -> jax.Array:
 
 def gate_up(h: jax.Array, lp) -> tuple[jax.Array, jax.Array]:
   """The dense MLP's gate and up products ``[T, F]`` (float32) from any layout."""
-  if "w_gate_up_t" in lp:
-    out = matmul_t(h, lp["w_gate_up_t"], out=jnp.float32)
-    F = out.shape[-1] // 2
-    return out[:, :F], out[:, F:]
-  if "w_gate_up" in lp:
-    out = matmul(h, lp["w_gate_up"], out=jnp.float32)
+  if "w_gate_up_t" in lp or "w_gate_up" in lp:
+    out = (matmul_t(h, lp["w_gate_up_t"], out=jnp.float32) if "w_gate_up_t" in lp
+           else matmul(h, lp["w_gate_up"], out=jnp.float32))
     F = out.shape[-1] // 2
     return out[:, :F], out[:, F:]
   return matmul(h, lp["w_gate"], out=jnp.float32), matmul(h, lp["w_up"], out=jnp.float32)
