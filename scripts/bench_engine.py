@@ -46,6 +46,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from superinfer_jax.engine.config import define_engine_flags, engine_config_from_flags  # noqa: E402
+from superinfer_jax.model.attention import resolved_attention_name  # noqa: E402
 
 flags.DEFINE_string("model", "smollm2-135m", "built-in name, .gguf path or HF model directory")
 flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "batch sizes")
@@ -136,6 +137,7 @@ def bench_engine(engine, batch, prompt_len, max_tokens, warm_up=True):
           "batch_rebuild_share": st.batch_rebuilds / max(st.model_steps, 1),
           "discarded_tokens": st.discarded_tokens,
           "pipeline": c.pipeline, "policy": c.scheduler.policy, "attention": c.model.attention,
+          "attention_backend": resolved_attention_name(c.model.attention),
           "token_bucket_floor": c.token_bucket_floor, "host_thread_nice": engine.host_thread_nice,
           "host_thread_policy": engine.host_thread_policy,
           "loadavg_1m": loadavg_1m()}

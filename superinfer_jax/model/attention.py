@@ -3,9 +3,11 @@
 Every backend has the signature
 ``attn(q[T,Hq,D], kv_cache[NB,L,2,BS,Hkv,D], layer, block_tables[S,MB], context_lens[S],
 query_start_loc[S+1], *, scale) -> [T,Hq,D]`` and reads K/V that the model has already written.
-Backends are looked up by name so the name (a string) can be a static jit argument. ``"auto"`` is the
-default everywhere: ``pallas`` on a GPU, ``reference`` elsewhere (Pallas on CPU runs only in interpret
-mode, correct but slow).
+Backends are looked up by name so the name (a string) can be a static jit argument: ``reference`` (pure JAX,
+``pallas_kernels/reference.py``), ``pallas`` (``pallas_kernels/ragged_paged_attention.py``; on CPU only in
+interpret mode, correct but slow) and ``cpu_kernel`` (a C++ XLA FFI custom call for XLA:CPU, compiled on first
+use: ``pallas_kernels/cpu_paged_attention.py``). ``"auto"`` is the default everywhere: ``pallas`` on a GPU,
+``cpu_kernel`` on a CPU where it builds, else ``reference``.
 """
 from __future__ import annotations
 
@@ -26,7 +28,14 @@ def _pallas() -> AttentionFn:
   return ragged_paged_attention
 
 
-_BACKENDS: dict[str, Callable[[], AttentionFn]] = {"reference": _reference, "pallas": _pallas}
+def _cpu_kernel() -> AttentionFn:
+  # A C++ XLA FFI custom call, compiled on first use (pallas_kernels/cpu_paged_attention.py); CPU only.
+  from pallas_kernels.cpu_paged_attention import cpu_paged_attention
+  return cpu_paged_attention
+
+
+_BACKENDS: dict[str, Callable[[], AttentionFn]] = {"reference": _reference, "pallas": _pallas,
+                                                   "cpu_kernel": _cpu_kernel}
 
 
 AUTO = "auto"
@@ -37,16 +46,37 @@ def attention_backend_names() -> tuple[str, ...]:
 
 
 def default_backend_name() -> str:
-  """What ``"auto"`` means on this process's default JAX backend."""
+  """What ``"auto"`` means on this process's default JAX backend: ``pallas`` on a GPU; on a CPU ``cpu_kernel``
+  when it builds here (a C++ compiler and the jaxlib FFI headers), else ``reference`` (logged once, with why)."""
   import jax  # pylint: disable=import-outside-toplevel
-  return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "reference"
+  if jax.default_backend() in ("gpu", "cuda", "rocm"):
+    return "pallas"
+  if jax.default_backend() == "cpu":
+    from pallas_kernels import cpu_paged_attention  # pylint: disable=import-outside-toplevel
+    err = cpu_paged_attention.build_error()
+    if err is None:
+      return "cpu_kernel"
+    _log_fallback(err)
+  return "reference"
+
+
+@functools.cache
+def _log_fallback(reason: str) -> None:
+  import logging  # pylint: disable=import-outside-toplevel
+  logging.getLogger(__name__).warning("attention 'auto' uses 'reference' on this CPU: the cpu_kernel backend "
+                                      "is unavailable (%s)", reason)
+
+
+def resolved_attention_name(name: str) -> str:
+  """The registered backend ``name`` stands for here (``"auto"`` resolved; other names unchanged)."""
+  return default_backend_name() if name == AUTO else name
 
 
 @functools.cache
 def get_attention_backend(name: str) -> AttentionFn:
-  """The attention function registered as ``name`` ("auto", "reference", "pallas"). Unknown -> ValueError."""
-  if name == AUTO:
-    name = default_backend_name()
+  """The attention function registered as ``name`` ("auto", "reference", "pallas", "cpu_kernel"). Unknown ->
+  ValueError."""
+  name = resolved_attention_name(name)
   if name not in _BACKENDS:
     raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")
   return _BACKENDS[name]()

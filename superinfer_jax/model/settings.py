@@ -14,8 +14,8 @@ from superinfer_jax.model.config import DTYPE_NAMES
 
 @dataclasses.dataclass(frozen=True)
 class ModelSettings:
-  attention: str = knob("auto", "attention backend (auto: pallas on a GPU, reference elsewhere)",
-                        choices=attention_backend_names)
+  attention: str = knob("auto", "attention backend (auto: pallas on a GPU, cpu_kernel on a CPU where it "
+                        "builds, else reference)", choices=attention_backend_names)
   dtype: str = knob("float32", "weights / KV cache dtype", choices=DTYPE_NAMES)
   max_model_len: Optional[int] = knob(None, "most tokens per request (unset: the model's max positions)",
                                       none_as=0)

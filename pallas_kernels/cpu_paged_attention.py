@@ -1,0 +1,155 @@
+"""Ragged paged attention on XLA:CPU as a C++ custom call (``cpu_paged_attention.cc``, XLA FFI).
+
+Same contract as ``pallas_kernels/reference.py`` (``ragged_paged_attention_reference``, the pure-JAX reference
+beside it); registered as the attention backend ``"cpu_kernel"`` (``superinfer_jax/model/attention.py``).
+
+Why: at decode on XLA:CPU the reference spends most of its time outside arithmetic. Each layer gathers every
+token's K and V blocks, transposes them to ``[token, kv head, key, dim]`` for its batched dots and runs one tiny
+dot per (token, kv head); at 16 sequences of SmolLM2 that was ~0.7 ms per layer, ~20 ms of an ~85 ms step
+(WORKSPACE_NOTES, 2026-12-02). The kernel reads each K / V row once, in place in the cache, and scores the query
+heads of a GQA group against it together; nothing is gathered or transposed.
+
+Build: the source is compiled on first use with the host C++ compiler (``$CXX``, else ``c++``/``g++``) against
+the XLA FFI headers of the installed jaxlib (``jax.ffi.include_dir()``), ``-O3 -march=native``, into a cache
+directory (``$SUPERINFER_KERNEL_CACHE``, else ``~/.cache/superinfer_jax/kernels``) under a name derived from the
+source, the flags, the compiler, the jaxlib version and the CPU, so a cached library is never reused across
+machines or versions; the build writes a temporary file and renames it (concurrent builds are safe).
+``available()`` says whether the kernel can be built and loaded here; ``build_error()`` why not. The backend
+raises ``RuntimeError`` with that reason when it cannot be built; ``"auto"`` never picks it (it stays an
+explicit choice, ``--attention=cpu_kernel``).
+
+Numerics: float32 throughout (bf16 inputs are widened, the output rounded to nearest even), scores
+max-subtracted; dot products sum in a fixed order of 16 interleaved partial sums, so results match the
+reference to float32 rounding (about 1e-6 relative), not bit for bit.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+TARGET = "superinfer_cpu_paged_attention"
+SOURCE = Path(__file__).with_name("cpu_paged_attention.cc")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+
+
+def _compiler() -> str | None:
+  for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+    if name and shutil.which(name):
+      return shutil.which(name)
+  return None
+
+
+def _cpu_id() -> str:
+  """Something that changes with the CPU model and its flags (``-march=native`` code is CPU-specific)."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+    return "".join(lines)
+  except OSError:
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+  env = os.environ.get("SUPERINFER_KERNEL_CACHE")
+  return Path(env) if env else Path.home() / ".cache" / "superinfer_jax" / "kernels"
+
+
+def library_path() -> Path:
+  """Where the built library lives for this source, compiler, jaxlib and CPU (may not exist yet)."""
+  import jaxlib  # pylint: disable=import-outside-toplevel
+  h = hashlib.sha256()
+  for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), str(_compiler()).encode(),
+               jaxlib.__version__.encode(), _cpu_id().encode()):
+    h.update(part)
+    h.update(b"\0")
+  return _cache_dir() / f"libcpu_paged_attention-{h.hexdigest()[:16]}.so"
+
+
+def build(force: bool = False) -> Path:
+  """Compiles the kernel (if not cached, or ``force``) and returns the library's path. Raises on failure."""
+  import jax  # pylint: disable=import-outside-toplevel
+  out = library_path()
+  if out.exists() and not force:
+    return out
+  cxx = _compiler()
+  if cxx is None:
+    raise RuntimeError("no C++ compiler found (set $CXX, or install g++) to build the cpu_kernel attention")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+  os.close(fd)
+  cmd = [cxx, *FLAGS, "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode:
+      raise RuntimeError(f"building the cpu_kernel attention failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
+    os.replace(tmp, out)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+  return out
+
+
+_registered: list = []  # the loaded library, once its handler is registered with XLA (once per process)
+
+
+@functools.cache
+def _register() -> None:
+  """Builds (or finds) the library and registers its handler for the CPU platform; raises if either fails."""
+  import jax  # pylint: disable=import-outside-toplevel
+  path = build()
+  if not _registered:
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SuperinferCpuPagedAttention), platform="cpu")
+    _registered.append(lib)
+
+
+@functools.cache
+def build_error() -> str | None:
+  """None if the kernel builds and registers here, else the reason (cached for the process)."""
+  try:
+    _register()
+  except Exception as e:  # pylint: disable=broad-except
+    return f"{type(e).__name__}: {e}"
+  return None
+
+
+def available() -> bool:
+  return build_error() is None
+
+
+def cpu_paged_attention(q, kv_cache, layer, block_tables, context_lens, query_start_loc, *, scale: float,
+                        window=None):
+  """``ragged_paged_attention_reference``'s contract (``pallas_kernels/reference.py``), run by the C++ kernel.
+
+  Shapes: q ``[T, Hq, D]``, kv_cache ``[NB, L, 2, BS, Hkv, D]`` (each float32 or bfloat16), layer an int
+  or int32 scalar, block_tables ``[S, MB]``, context_lens ``[S]``, query_start_loc ``[S + 1]`` (int32). Returns
+  ``[T, Hq, D]`` in q's dtype. CPU only (the custom call is registered for the CPU platform).
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  err = build_error()
+  if err is not None:
+    raise RuntimeError(f"the cpu_kernel attention backend is unavailable: {err}")
+  if jax.default_backend() != "cpu":
+    raise RuntimeError(f"the cpu_kernel attention backend runs on XLA:CPU only (default backend: "
+                       f"{jax.default_backend()}); use 'pallas' or 'reference'")
+  if q.ndim != 3 or kv_cache.ndim != 6:
+    raise ValueError(f"expected q [T,Hq,D] and kv_cache [NB,L,2,BS,Hkv,D], got {q.shape} and {kv_cache.shape}")
+  if q.shape[1] % kv_cache.shape[4]:
+    raise ValueError(f"query heads {q.shape[1]} not a multiple of kv heads {kv_cache.shape[4]}")
+  q_in = q if q.dtype in (jnp.float32, jnp.bfloat16) else q.astype(jnp.float32)
+  i32 = jnp.int32
+  w = jnp.asarray(0 if window is None else window, i32).reshape(())
+  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_in.shape, q_in.dtype))
+  out = call(q_in, kv_cache, jnp.asarray(layer, i32).reshape(()), block_tables.astype(i32),
+             context_lens.astype(i32), query_start_loc.astype(i32), w, scale=np.float32(scale))
+  return out.astype(q.dtype)
