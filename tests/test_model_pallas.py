@@ -47,13 +47,15 @@ def test_pallas_mixed_step_matches_reference():
 
 
 def test_auto_backend_is_pallas_on_gpu_cpu_kernel_on_cpu_and_names_are_checked():
-  from pallas_kernels.cpu_paged_attention import cpu_paged_attention
+  from pallas_kernels import cpu_paged_attention as cpa
   from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+  from pallas_kernels.reference import ragged_paged_attention_reference
   from superinfer_jax.model.attention import attention_backend_names, get_attention_backend
   on_gpu = jax.default_backend() in ("gpu", "cuda")
-  # On CPU the C++ kernel builds wherever a compiler is installed (tests/test_cpu_paged_attention.py covers the
-  # fallback to the reference without one).
-  expected = ragged_paged_attention if on_gpu else cpu_paged_attention
+  # On CPU the C++ kernel builds wherever a compiler is installed (tests/test_cpu_paged_attention.py also covers
+  # the fallback to the reference without one).
+  cpu_expected = cpa.cpu_paged_attention if cpa._compiler() else ragged_paged_attention_reference  # pylint: disable=protected-access
+  expected = ragged_paged_attention if on_gpu else cpu_expected
   assert get_attention_backend("auto") is expected
   assert set(attention_backend_names()) == {"auto", "reference", "pallas", "cpu_kernel"}
   with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
