@@ -16,7 +16,7 @@
 //
 // Per (token, kv head) the kernel streams the sequence's keys once and scores every query head of the
 // group against each (GQA: group = Hq / Hkv heads share a K/V row), so K and V are each read once per
-// token and kv head. No allocation per call beyond two small scratch vectors per thread.
+// token and kv head. Scratch (the query, scores and accumulators of one token) is kept per thread and reused.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -119,7 +119,7 @@ void Attend(const typename EQ::T* q, const typename E::T* cache, int64_t L, int6
   for (int kv = 0; kv < 2; ++kv) {
     for (int64_t b = lo / BS; b <= hi / BS; ++b) {
       int64_t blk = table[b];
-      blk = blk < 0 ? 0 : (blk >= num_blocks ? num_blocks - 1 : blk);  // in range by contract; clip as the reference
+      blk = blk < 0 ? 0 : (blk >= num_blocks ? num_blocks - 1 : blk);  // in range by contract; never read outside
       const T* base = cache + ((blk * L + layer) * 2 + kv) * slab;
       const int64_t k0 = std::max<int64_t>(lo, b * BS), k1 = std::min<int64_t>(hi, b * BS + BS - 1);
       for (int64_t k = k0; k <= k1; ++k) {
@@ -156,6 +156,7 @@ void Attend(const typename EQ::T* q, const typename E::T* cache, int64_t L, int6
         float* sg = scores.data() + qh * n;
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
+        if (!std::isfinite(m)) m = 0.0f;  // as the reference: a row of -inf scores gives 0, not NaN
         float sum = 0.0f;
         for (int64_t i = 0; i < n; ++i) {
           sg[i] = std::exp(sg[i] - m);
@@ -251,6 +252,9 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   if (context_lens.element_count() != static_cast<size_t>(S) ||
       query_start_loc.element_count() != static_cast<size_t>(S + 1)) {
     return ffi::Error::InvalidArgument("cpu_paged_attention: context_lens [S] and query_start_loc [S+1] expected");
+  }
+  if (cd[0] <= 0) {
+    return ffi::Error::InvalidArgument("cpu_paged_attention: the cache has no blocks");
   }
   int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= cd[1]) {

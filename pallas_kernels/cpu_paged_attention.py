@@ -14,9 +14,13 @@ the XLA FFI headers of the installed jaxlib (``jax.ffi.include_dir()``), ``-O3 -
 directory (``$SUPERINFER_KERNEL_CACHE``, else ``~/.cache/superinfer_jax/kernels``) under a name derived from the
 source, the flags, the compiler, the jaxlib version and the CPU, so a cached library is never reused across
 machines or versions; the build writes a temporary file and renames it (concurrent builds are safe).
-``available()`` says whether the kernel can be built and loaded here; ``build_error()`` why not. The backend
-raises ``RuntimeError`` with that reason when it cannot be built; ``"auto"`` never picks it (it stays an
-explicit choice, ``--attention=cpu_kernel``).
+``available()`` says whether the kernel can be built and loaded here; ``build_error()`` why not. Attention
+``"auto"`` picks this backend on a CPU where it builds and the reference otherwise (``model/attention.py``,
+logged once); asked for by name where it cannot be built, it raises ``RuntimeError`` with the reason.
+
+Contract details beyond the reference's docstring: ``query_start_loc[0]`` is 0 (tokens before it give 0); a
+``layer`` outside ``[0, L)`` is a runtime error (the reference would read clipped rows); a block id outside the
+cache is clipped to it (never read out of bounds).
 
 Numerics: float32 throughout (bf16 inputs are widened, the output rounded to nearest even), scores
 max-subtracted; dot products sum in a fixed order of 16 interleaved partial sums, so results match the
@@ -29,6 +33,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -41,21 +46,31 @@ SOURCE = Path(__file__).with_name("cpu_paged_attention.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
-def _compiler() -> str | None:
-  for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-    if name and shutil.which(name):
-      return shutil.which(name)
+def _compiler() -> list[str] | None:
+  """The C++ compiler command (``$CXX`` may carry arguments, e.g. ``ccache g++``), or None if none is found."""
+  cxx = shlex.split(os.environ.get("CXX", ""))
+  if cxx and shutil.which(cxx[0]):
+    return [shutil.which(cxx[0]), *cxx[1:]]
+  for name in ("c++", "g++", "clang++"):
+    if shutil.which(name):
+      return [shutil.which(name)]
   return None
 
 
+_CPU_KEYS = ("vendor_id", "model name", "cpu family", "model", "flags",                      # x86
+             "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features")  # arm
+_CPU_KEYS_SET = frozenset(_CPU_KEYS)
+
+
 def _cpu_id() -> str:
-  """Something that changes with the CPU model and its flags (``-march=native`` code is CPU-specific)."""
+  """Something that changes with the CPU model and its feature flags (``-march=native`` code is CPU-specific):
+  the distinct identity lines of ``/proc/cpuinfo`` (not the clock, which moves)."""
   try:
     with open("/proc/cpuinfo", encoding="utf-8") as f:
-      lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
-    return "".join(lines)
+      lines = sorted({ln.strip() for ln in f if ln.split(":")[0].strip() in _CPU_KEYS_SET})
   except OSError:
-    return platform.processor() or platform.machine()
+    lines = []
+  return "\n".join(lines) or f"{platform.machine()} {platform.processor()}"
 
 
 def _cache_dir() -> Path:
@@ -86,7 +101,7 @@ def build(force: bool = False) -> Path:
   out.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
   os.close(fd)
-  cmd = [cxx, *FLAGS, "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+  cmd = [*cxx, *FLAGS, "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode:
@@ -144,12 +159,14 @@ def cpu_paged_attention(q, kv_cache, layer, block_tables, context_lens, query_st
                        f"{jax.default_backend()}); use 'pallas' or 'reference'")
   if q.ndim != 3 or kv_cache.ndim != 6:
     raise ValueError(f"expected q [T,Hq,D] and kv_cache [NB,L,2,BS,Hkv,D], got {q.shape} and {kv_cache.shape}")
+  if kv_cache.dtype not in (jnp.float32, jnp.bfloat16):
+    raise ValueError(f"kv_cache must be float32 or bfloat16, got {kv_cache.dtype}")
   if q.shape[1] % kv_cache.shape[4]:
     raise ValueError(f"query heads {q.shape[1]} not a multiple of kv heads {kv_cache.shape[4]}")
   q_in = q if q.dtype in (jnp.float32, jnp.bfloat16) else q.astype(jnp.float32)
   i32 = jnp.int32
   w = jnp.asarray(0 if window is None else window, i32).reshape(())
-  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_in.shape, q_in.dtype))
+  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_in.shape, q_in.dtype), vmap_method="sequential")
   out = call(q_in, kv_cache, jnp.asarray(layer, i32).reshape(()), block_tables.astype(i32),
              context_lens.astype(i32), query_start_loc.astype(i32), w, scale=np.float32(scale))
   return out.astype(q.dtype)

@@ -14,7 +14,8 @@ import pytest
 from pallas_kernels import cpu_paged_attention as cpa
 from pallas_kernels.reference import ragged_paged_attention_reference as reference
 
-HAVE_COMPILER = cpa._compiler() is not None  # pylint: disable=protected-access
+# Without a C++ compiler the kernel cannot exist here: its tests skip, and only the fallback test below runs.
+needs_kernel = pytest.mark.skipif(not cpa.available(), reason=f"cpu_kernel unavailable: {cpa.build_error()}")
 
 
 def _batch(rng, num_seqs, num_blocks, bs, max_blocks, total_tokens):
@@ -42,13 +43,14 @@ def _batch(rng, num_seqs, num_blocks, bs, max_blocks, total_tokens):
   return tables, np.asarray(ctx, np.int32), qsl
 
 
-@pytest.mark.skipif(not HAVE_COMPILER, reason="no C++ compiler on this machine")
+@needs_kernel
 def test_kernel_builds_where_a_compiler_is_found():
   assert cpa.build_error() is None
   assert cpa.available()
   assert cpa.library_path().exists()
 
 
+@needs_kernel
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3)])
 def test_kernel_matches_reference_on_random_ragged_batches(seed, heads):
@@ -70,6 +72,7 @@ def test_kernel_matches_reference_on_random_ragged_batches(seed, heads):
       assert not np.asarray(got)[int(qsl[-1]):].any()
 
 
+@needs_kernel
 def test_traced_layer_and_window_under_scan():
   rng = np.random.default_rng(7)
   nb, layers, bs, hq, hkv, d = 32, 4, 8, 6, 2, 32
@@ -90,6 +93,7 @@ def test_traced_layer_and_window_under_scan():
                              rtol=2e-5, atol=2e-6)
 
 
+@needs_kernel
 @pytest.mark.parametrize("q_dtype,cache_dtype", [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.bfloat16),
                                                  (jnp.bfloat16, jnp.float32)])
 def test_bfloat16_inputs_match_the_reference_to_bfloat16_rounding(q_dtype, cache_dtype):
@@ -108,6 +112,7 @@ def test_bfloat16_inputs_match_the_reference_to_bfloat16_rounding(q_dtype, cache
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
 
 
+@needs_kernel
 def test_a_decode_token_sees_exactly_its_sequences_keys():
   """Hand-worked: one sequence, values chosen so the output is the mean of V over the visible keys."""
   nb, bs, d = 4, 2, 4
@@ -127,6 +132,41 @@ def test_a_decode_token_sees_exactly_its_sequences_keys():
   np.testing.assert_allclose(np.asarray(out)[0, 0], np.full(d, 4.0), rtol=1e-6)  # keys 1, 2 only
 
 
+@needs_kernel
+def test_edge_cases_match_the_reference():
+  """Contexts past the table (keys clipped to MB * BS), a chunk longer than its context (negative positions:
+  no key, output 0), negative and zero windows (no window), and a head_dim that is not a multiple of 16 (the
+  dot product's scalar tail)."""
+  rng = np.random.default_rng(11)
+  nb, bs, hq, hkv, d, mb = 16, 4, 4, 2, 20, 2
+  tables = jnp.asarray([[3, 5], [7, 2], [9, 11]], jnp.int32)
+  ctx = jnp.asarray([8 + 3, 2, 6], jnp.int32)        # sequence 0: 11 tokens, but its table holds 8 keys
+  qsl = jnp.asarray([0, 2, 6, 7], jnp.int32)          # sequence 1: 4 queries for a 2-token context
+  cache = jnp.asarray(rng.standard_normal((nb, 1, 2, bs, hkv, d)), jnp.float32)
+  q = jnp.asarray(rng.standard_normal((8, hq, d)), jnp.float32)
+  for window in (None, -2, 0, 1, 3):
+    want = reference(q, cache, 0, tables, ctx, qsl, scale=0.2, window=window)
+    got = cpa.cpu_paged_attention(q, cache, 0, tables, ctx, qsl, scale=0.2, window=window)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+  assert not np.asarray(got)[2:4].any()   # sequence 1's first two queries sit at positions -2, -1
+
+
+@needs_kernel
+def test_many_tokens_split_across_threads_match_the_reference():
+  """A batch large enough that XLA's pool threads take tokens too (the work-stealing path)."""
+  rng = np.random.default_rng(5)
+  nb, bs, hq, hkv, d, num_seqs = 400, 16, 9, 3, 64, 96
+  tables, ctx, qsl = _batch(rng, num_seqs, nb, bs, 4, total_tokens=800)
+  cache = jnp.asarray(rng.standard_normal((nb, 2, 2, bs, hkv, d)), jnp.float32)
+  q = jnp.asarray(rng.standard_normal((int(qsl[-1]), hq, d)), jnp.float32)
+  args = (jnp.asarray(tables), jnp.asarray(ctx), jnp.asarray(qsl))
+  fn = jax.jit(lambda q, c: cpa.cpu_paged_attention(q, c, 1, *args, scale=0.125))
+  want = reference(q, cache, 1, *args, scale=0.125)
+  for _ in range(3):   # the same result every call, whichever thread took which token
+    np.testing.assert_allclose(np.asarray(fn(q, cache)), np.asarray(want), rtol=2e-5, atol=2e-6)
+
+
+@needs_kernel
 def test_bad_shapes_raise_clear_errors():
   q = jnp.zeros((2, 3, 8), jnp.float32)
   cache = jnp.zeros((4, 1, 2, 2, 2, 8), jnp.float32)
@@ -135,6 +175,8 @@ def test_bad_shapes_raise_clear_errors():
     cpa.cpu_paged_attention(q, cache, 0, *args, scale=1.0)
   with pytest.raises(ValueError, match=r"expected q \[T,Hq,D\]"):
     cpa.cpu_paged_attention(q[0], cache, 0, *args, scale=1.0)
+  with pytest.raises(ValueError, match="kv_cache must be float32 or bfloat16"):
+    cpa.cpu_paged_attention(q[:, :2], cache.astype(jnp.float16), 0, *args, scale=1.0)
 
 
 def test_without_a_compiler_auto_falls_back_to_the_reference(monkeypatch, tmp_path):

@@ -54,7 +54,7 @@ def test_auto_backend_is_pallas_on_gpu_cpu_kernel_on_cpu_and_names_are_checked()
   on_gpu = jax.default_backend() in ("gpu", "cuda")
   # On CPU the C++ kernel builds wherever a compiler is installed (tests/test_cpu_paged_attention.py also covers
   # the fallback to the reference without one).
-  cpu_expected = cpa.cpu_paged_attention if cpa._compiler() else ragged_paged_attention_reference  # pylint: disable=protected-access
+  cpu_expected = cpa.cpu_paged_attention if cpa.available() else ragged_paged_attention_reference
   expected = ragged_paged_attention if on_gpu else cpu_expected
   assert get_attention_backend("auto") is expected
   assert set(attention_backend_names()) == {"auto", "reference", "pallas", "cpu_kernel"}
