@@ -131,6 +131,7 @@ def time_fn(fn, args, min_time_s, max_iters):
 
 
 def _cpu_kernel_fn():
+  """The C++ CPU kernel (imported here: the module is only needed when it is timed)."""
   from pallas_kernels.cpu_paged_attention import cpu_paged_attention  # pylint: disable=import-outside-toplevel
   return cpu_paged_attention
 
@@ -147,7 +148,7 @@ def build_impls(names, *, scale, interpret, layer, kernel_kw):
       return ragged_paged_attention_reference(q, kv, layer, bt, ctx, qsl, scale=scale)
     impls["reference"] = (jax.jit(ref), lambda q, kv, bt, ctx: (q, kv, bt, ctx))
   if "cpu_kernel" in names:   # the C++ custom call (XLA:CPU only)
-    from pallas_kernels.cpu_paged_attention import cpu_paged_attention  # pylint: disable=import-outside-toplevel
+    cpu_paged_attention = _cpu_kernel_fn()
 
     def cpu_kernel(q, kv, bt, ctx):
       qsl = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
