@@ -204,9 +204,8 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer cache, in
       done[t] = true;  // query_start_loc is non-decreasing, so ranges do not overlap
     }
   }
-  std::vector<TQ> zeros(Hq * D, TQ(0));
-  for (int64_t t = 0; t < T_; ++t) {
-    if (!done[t]) std::memcpy(op + t * Hq * D, zeros.data(), Hq * D * sizeof(TQ));
+  for (int64_t t = 0; t < T_; ++t) {  // padding tokens: 0 (all-zero bits in f32 and bf16)
+    if (!done[t]) std::memset(op + t * Hq * D, 0, Hq * D * sizeof(TQ));
   }
   const int64_t n = static_cast<int64_t>(work->tokens.size());
   // Each thread takes the next token until none is left (work stealing over tokens).

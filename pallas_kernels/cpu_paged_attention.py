@@ -57,9 +57,8 @@ def _compiler() -> list[str] | None:
   return None
 
 
-_CPU_KEYS = ("vendor_id", "model name", "cpu family", "model", "flags",                      # x86
-             "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features")  # arm
-_CPU_KEYS_SET = frozenset(_CPU_KEYS)
+_CPU_KEYS = frozenset(("vendor_id", "model name", "cpu family", "model", "flags",                      # x86
+                       "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features"))  # arm
 
 
 def _cpu_id() -> str:
@@ -67,7 +66,7 @@ def _cpu_id() -> str:
   the distinct identity lines of ``/proc/cpuinfo`` (not the clock, which moves)."""
   try:
     with open("/proc/cpuinfo", encoding="utf-8") as f:
-      lines = sorted({ln.strip() for ln in f if ln.split(":")[0].strip() in _CPU_KEYS_SET})
+      lines = sorted({ln.strip() for ln in f if ln.split(":")[0].strip() in _CPU_KEYS})
   except OSError:
     lines = []
   return "\n".join(lines) or f"{platform.machine()} {platform.processor()}"
