@@ -17,7 +17,8 @@ and the pipelined loop it replaces, side by side) and once with transformers. Re
     total new tokens/s (prefill included) — its decode-only rate is estimated by subtracting a 1-token run.
 Each side runs once untimed first (compilation / warm-up); --repeats > 1 interleaves the runs (engine
 loops, torch, engine loops, torch, ...) and reports, per impl, the run with the median decode rate, so a
-burst of load on a shared machine hits all sides alike. Every row carries the 1-minute load average.
+burst of load on a shared machine hits all sides alike. Every row carries the 1-minute load average and
+``machine`` (``util.machine_description()``: CPU model, L2 / L3 sizes; the ratios move with the box).
 Prints one JSON line per (impl, batch).
 
 The engine's thread (the one that builds the engines and runs their steps, and afterwards transformers) runs
@@ -47,6 +48,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from superinfer_jax.engine.config import define_engine_flags, engine_config_from_flags  # noqa: E402
 from superinfer_jax.model.attention import resolved_attention_name  # noqa: E402
+from superinfer_jax.util import machine_description  # noqa: E402
 
 flags.DEFINE_string("model", "smollm2-135m", "built-in name, .gguf path or HF model directory")
 flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "batch sizes")
@@ -216,6 +218,7 @@ def main(argv):
       torch.set_num_threads(FLAGS.torch_threads)
     tmodel = _load_torch_model(resolve_model_path(FLAGS.model))
   vocab = model[0].vocab_size
+  machine = machine_description()
   for b in batches:
     runs = {name: [] for name in list(engines) + (["transformers"] if tmodel is not None else [])}
     for rep in range(FLAGS.repeats):
@@ -229,6 +232,7 @@ def main(argv):
       for r in rows[:-1]:
         r["speedup_vs_torch_decode"] = r["decode_tok_s"] / rows[-1]["decode_tok_s"]
     for r in rows:
+      r["machine"] = machine
       print(json.dumps(_rounded(r)), flush=True)
 
 

@@ -16,7 +16,8 @@ scenario at the defaults).
 
 prints one JSON line per policy and run, ``{"policy", "num_requests", "mean_ms", "p99_ms", ...,
 "plan_hash"}``, then a summary line ``{"policy", "baseline", "p99_ratio", "mean_ratio", "p99_ratios",
-"loadavg_1m", ...}``. ``--baseline`` (default fcfs; empty: none) is timed on the same seeds in the same
+"loadavg_1m", "machine", ...}`` (``machine``: ``util.machine_description()``, the CPU and its L2 / L3
+sizes: the ratio moves with the core's cache, see WORKSPACE_NOTES 2026-12-03). ``--baseline`` (default fcfs; empty: none) is timed on the same seeds in the same
 process. Each round (``--repeats`` rounds, seeds ``seed + i``) builds both replays and warms both up, then
 times the policy's steps and then the baseline's (policy, baseline, policy, baseline, ... over the rounds).
 The first ``--rewarm`` (3) timed-window steps of each run are run but not timed: they refill the caches the
@@ -76,6 +77,7 @@ from absl import app, flags
 from superinfer_jax import configtree
 from superinfer_jax.sched import POLICIES, SchedulerConfig
 from superinfer_jax.sched import replay
+from superinfer_jax.util import machine_description
 
 # Every scheduler knob is a flag generated from SchedulerConfig (one name, default and help per setting);
 # this benchmark only moves two defaults to the paper's artifact scale.
@@ -243,6 +245,7 @@ def compare(policy: str, baseline: str, repeats: int, seed: int) -> tuple[list, 
       "median_round_p99_ratio": sorted(ratios)[len(ratios) // 2],
       "best_p99_ratio": round(best[policy] / best[baseline], 3),
       "loadavg_1m": os.getloadavg()[0],
+      "machine": machine_description(),
   }
   return rows, summary
 

@@ -75,3 +75,56 @@ def set_thread_realtime(priority: int = 1) -> bool:
   except (PermissionError, OSError):
     return False
   return os.sched_getscheduler(0) & ~reset == os.SCHED_FIFO
+
+
+def _parse_cache_size(text: str) -> int | None:
+  """A sysfs cache ``size`` (``"1024K"``, ``"2M"``, ``"512"``: bytes) in KiB; None if unreadable."""
+  text = text.strip().upper()
+  scale = {"K": 1, "M": 1024, "G": 1024 * 1024}.get(text[-1:], None)
+  digits = text[:-1] if scale else text
+  if not digits.isdigit():
+    return None
+  return int(digits) * scale if scale else int(digits) // 1024
+
+
+def machine_description(cpuinfo_path: str = "/proc/cpuinfo",
+                        cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> dict:
+  """What a benchmark row needs to say which machine produced it (Linux; fields are None where unknown).
+
+  ``{"cpu": "<model name> (<vendor> family F model M)", "cpus": os.cpu_count(), "l2_kib": L2 KiB of cpu0's
+  cache, "l3_kib": ...}``. Host-side timings here move with the core's caches more than with its clock
+  (the scheduler's rotation touches ~360 cold requests a step), so a ratio is only comparable between rows
+  of the same ``cpu`` and ``l2_kib``.
+  """
+  fields: dict[str, str] = {}
+  try:
+    with open(cpuinfo_path, encoding="utf-8", errors="replace") as f:
+      for line in f:
+        if not line.strip():
+          break  # the first processor's block only
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+  except OSError:
+    pass
+  name = fields.get("model name")
+  ident = " ".join(p for p in (fields.get("vendor_id"), fields.get("cpu family") and f"family {fields['cpu family']}",
+                               fields.get("model") and f"model {fields['model']}") if p)
+  cpu = f"{name} ({ident})" if name and ident else (name or ident or None)
+  sizes: dict[int, int] = {}
+  try:
+    entries = sorted(os.listdir(cache_dir))
+  except OSError:
+    entries = []
+  for entry in entries:
+    try:
+      with open(os.path.join(cache_dir, entry, "level"), encoding="utf-8") as f:
+        level = int(f.read().strip())
+      with open(os.path.join(cache_dir, entry, "type"), encoding="utf-8") as f:
+        kind = f.read().strip()
+      with open(os.path.join(cache_dir, entry, "size"), encoding="utf-8") as f:
+        size = _parse_cache_size(f.read())
+    except (OSError, ValueError):
+      continue
+    if kind != "Instruction" and size is not None:
+      sizes[level] = size
+  return {"cpu": cpu, "cpus": os.cpu_count(), "l2_kib": sizes.get(2), "l3_kib": sizes.get(3)}

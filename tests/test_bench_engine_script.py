@@ -7,6 +7,7 @@ import sys
 
 from pallas_kernels import cpu_paged_attention
 from superinfer_jax.model.attention import resolved_attention_name
+from superinfer_jax.util import machine_description
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,6 +48,7 @@ def test_bench_engine_rows_side_by_side(tiny_model_dir):
     assert zb["decode_host_ms_per_step"]["exposed_host"] == 0
     assert pipe["decode_host_ms_per_step"]["exposed_host"] > 0
     assert torch_row["decode_tok_s"] > 0 and "speedup_vs_torch_decode" not in torch_row
+    assert zb["machine"] == pipe["machine"] == torch_row["machine"] == machine_description()   # which box
 
 
 def test_bench_engine_rejects_unknown_loop(tiny_model_dir):

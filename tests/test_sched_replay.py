@@ -15,6 +15,7 @@ import pytest
 
 from superinfer_jax.sched import POLICIES
 from superinfer_jax.sched import replay
+from superinfer_jax.util import machine_description
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "sched_plan_hashes.json")
 STEPS = 400  # scripts/bench_scheduler.py --hash_steps default, with which the fixture was recorded
@@ -88,6 +89,7 @@ def test_bench_scheduler_times_both_policies_and_reports_the_ratio():
   worst = {p: max(r["p99_ms"] for r in rows[:-1] if r["policy"] == p) for p in ("rotasched", "fcfs")}
   assert summary["p99_ms"] == worst["rotasched"] and summary["baseline_p99_ms"] == worst["fcfs"]
   assert summary["median_round_p99_ratio"] in summary["p99_ratios"]
+  assert summary["machine"] == machine_description()  # the ratio depends on the box: the row says which
   # the same seed replays the same plans (the plan hash is of the workload, not of the timing)
   again = replay.Replay("rotasched", replay.Scenario(
       device_blocks=256, host_blocks=8 * 256, block_size=16, num_requests=60, prompt_len=(32, 1024),

@@ -1,8 +1,10 @@
-"""superinfer_jax.util: ceil division and power-of-two rounding."""
+"""superinfer_jax.util: ceil division, power-of-two rounding and the machine description benchmarks print."""
+import os
+
 from hypothesis import given
 from hypothesis import strategies as st
 
-from superinfer_jax.util import cdiv, next_power_of_2
+from superinfer_jax.util import _parse_cache_size, cdiv, machine_description, next_power_of_2
 
 
 def test_cdiv_hand_worked():
@@ -27,3 +29,30 @@ def test_next_power_of_2_is_the_smallest(n):
   p = next_power_of_2(n)
   assert p >= 1 and p & (p - 1) == 0      # a power of two
   assert p >= n and (p == 1 or p // 2 < n)  # the smallest one >= n
+
+
+def test_machine_description_reads_cpuinfo_and_the_cache_sizes(tmp_path):
+  cpuinfo = tmp_path / "cpuinfo"
+  cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+                     "model name\t: AMD EPYC\n\nprocessor\t: 1\nmodel name\t: Other CPU\n")
+  cache = tmp_path / "cache"
+  for idx, (level, kind, size) in enumerate([(1, "Data", "32K"), (1, "Instruction", "64K"), (2, "Unified", "1024K"),
+                                             (3, "Unified", "32M")]):
+    d = cache / f"index{idx}"
+    d.mkdir(parents=True)
+    (d / "level").write_text(f"{level}\n")
+    (d / "type").write_text(f"{kind}\n")
+    (d / "size").write_text(f"{size}\n")
+  m = machine_description(str(cpuinfo), str(cache))
+  assert m["cpu"] == "AMD EPYC (AuthenticAMD family 25 model 17)"  # the first processor's block only
+  assert (m["l2_kib"], m["l3_kib"]) == (1024, 32 * 1024)
+  assert m["cpus"] == os.cpu_count()
+
+
+def test_machine_description_missing_files_give_none(tmp_path):
+  m = machine_description(str(tmp_path / "no_cpuinfo"), str(tmp_path / "no_cache"))
+  assert m == {"cpu": None, "cpus": os.cpu_count(), "l2_kib": None, "l3_kib": None}
+
+
+def test_parse_cache_size_units():
+  assert [_parse_cache_size(s) for s in ("32K", "2M", "1G", "2048", "x", "")] == [32, 2048, 1024 * 1024, 2, None, None]
