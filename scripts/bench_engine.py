@@ -48,7 +48,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from superinfer_jax.engine.config import define_engine_flags, engine_config_from_flags  # noqa: E402
 from superinfer_jax.model.attention import resolved_attention_name  # noqa: E402
-from superinfer_jax.util import machine_description  # noqa: E402
+from superinfer_jax.util import freeze_heap, machine_description  # noqa: E402
 
 flags.DEFINE_string("model", "smollm2-135m", "built-in name, .gguf path or HF model directory")
 flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "batch sizes")
@@ -217,6 +217,7 @@ def main(argv):
     if FLAGS.torch_threads:
       torch.set_num_threads(FLAGS.torch_threads)
     tmodel = _load_torch_model(resolve_model_path(FLAGS.model))
+  freeze_heap()   # weights, tokenizer, imports and engines live as long as this process (util.freeze_heap)
   vocab = model[0].vocab_size
   machine = machine_description()
   for b in batches:

@@ -52,7 +52,7 @@ def main(argv):
       apply_variant(config, variant)
   except ValueError as e:
     sys.exit(f"run_experiment: {e}")
-  rows = run_sweep(spec, config)
+  rows = run_sweep(spec, config, freeze_heap=True)   # this process runs one sweep (util.freeze_heap)
   if is_primary():
     print(finish_report(spec.output_dir, rows))
 

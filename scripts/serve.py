@@ -29,6 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from superinfer_jax.engine.config import define_engine_flags, engine_config_from_flags  # noqa: E402
+from superinfer_jax.util import freeze_heap  # noqa: E402
 from superinfer_jax.parallel.distributed import (define_distributed_flags, initialize_from_flags,  # noqa: E402
                                                  is_primary)
 
@@ -85,6 +86,7 @@ def main(argv):
   if FLAGS.precompile:
     engine.precompile_rotation()
     engine.precompile_steps()
+  freeze_heap()   # the engine serves for the process's life; a rebuild unfreezes first (serving/worker.py)
   channel = None
   if multi:
     from superinfer_jax.parallel.events import EventChannel  # pylint: disable=import-outside-toplevel

@@ -82,3 +82,30 @@ def test_run_sweep_hands_each_timed_engine_to_on_engine(tiny_model_dir, tmp_path
                                                                 engine.has_unfinished())))
   assert [r["policy"] for r in rows] == ["fcfs", "rotasched", "rotasched", "fcfs"]
   assert seen == [(p, p, False) for p in ("fcfs", "rotasched", "rotasched", "fcfs")]
+
+
+def test_run_sweep_freezes_the_heap_before_its_engines(tiny_model_dir, tmp_path):
+  """``freeze_heap=True``: the loaded model is frozen before the first engine, so every engine stays visible to
+  the cyclic collector and is freed after its run (a frozen one in a cycle would keep its KV pool)."""
+  import gc
+  import weakref
+  from superinfer_jax.engine.config import EngineConfig
+  from superinfer_jax.experiment.runner import SweepSpec, run_sweep
+  spec = SweepSpec(model=tiny_model_dir, dataset="synthetic", num_requests=3, rps="inf", policies="fcfs,rotasched",
+                   synthetic_prompt_len="uniform:8,12", synthetic_output_len="uniform:3,4",
+                   output_dir=str(tmp_path / "exp"), progress=False)
+  engines = []
+
+  def on_engine(engine, label):
+    del label
+    assert gc.get_freeze_count() > 0 and any(o is engine for o in gc.get_objects())   # frozen before; not it
+    engines.append(weakref.ref(engine))
+
+  try:
+    rows = run_sweep(spec, EngineConfig.create(num_device_blocks=32, num_host_blocks=32, block_size=8,
+                                               max_num_seqs=4), on_engine=on_engine, freeze_heap=True)
+    assert len(rows) == len(engines) == 2
+    gc.collect()
+    assert all(ref() is None for ref in engines)
+  finally:
+    gc.unfreeze()

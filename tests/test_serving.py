@@ -1,6 +1,8 @@
 """serving/ in process (no model, no subprocess): request validation, chat templates, and the engine
 thread's failure handling through the real app (starlette's TestClient) over a fake engine."""
+import gc
 import json
+import logging
 import types
 
 import pytest
@@ -126,6 +128,14 @@ def test_real_engine_recovers_from_a_failed_step(tmp_path):
     return real(inflight)
 
   eng._complete = flaky
+  gc.freeze()   # as scripts/serve.py does once its engine is built: the rebuild unfreezes, then freezes again
+  try:
+    _serve_through_a_failure(eng, factory, made)
+  finally:
+    gc.unfreeze()
+
+
+def _serve_through_a_failure(eng, factory, made):
   with TestClient(build_app(eng, ["tiny"], max_queue=8, engine_factory=factory)) as c:
     r = _post(c, {"prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
@@ -135,4 +145,40 @@ def test_real_engine_recovers_from_a_failed_step(tmp_path):
       assert r.json()["usage"]["completion_tokens"] == 8
     h = c.get("/health", params={"check": 1}).json()
     assert h["invariants"] == "ok" and h["device_blocks_free"] == 16 and h["step_errors"] == 1
+    assert gc.get_freeze_count() > 0   # still frozen, or frozen again after a rebuild
     print("engine rebuilt:", bool(made))
+
+
+class _StuckEngine:
+  """An engine the worker cannot drain (so it rebuilds it), held in a reference cycle as real engines are."""
+  def __init__(self):
+    self.me = self
+
+  def has_unfinished(self):
+    return True
+
+  def step(self):
+    raise RuntimeError("still broken")
+
+
+def test_worker_rebuild_frees_a_frozen_engine_and_freezes_again():
+  """scripts/serve.py freezes the heap once its engine is built; a rebuild must unfreeze first, or the old
+  engine (a cycle, frozen) would keep its KV pool, then freeze again with the new engine."""
+  import weakref
+  from superinfer_jax.serving.worker import EngineWorker
+  from superinfer_jax.util import freeze_heap
+  old = _StuckEngine()
+  ref = weakref.ref(old)
+  worker = EngineWorker(old, None, engine_factory=FakeEngine)
+  del old
+  quiet = logging.getLogger("superinfer_jax.serving")
+  level = quiet.level
+  quiet.setLevel(logging.CRITICAL)   # a captured log record would keep the failure's traceback (and the engine)
+  try:
+    freeze_heap()
+    worker._recover()   # drains nothing (the engine stays stuck): rebuilds
+    assert isinstance(worker.engine, FakeEngine) and ref() is None
+    assert gc.get_freeze_count() > 0 and not any(o is worker.engine for o in gc.get_objects())
+  finally:
+    gc.unfreeze()
+    quiet.setLevel(level)

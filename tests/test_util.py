@@ -56,3 +56,29 @@ def test_machine_description_missing_files_give_none(tmp_path):
 
 def test_parse_cache_size_units():
   assert [_parse_cache_size(s) for s in ("32K", "2M", "1G", "2048", "x", "")] == [32, 2048, 1024 * 1024, 2, None, None]
+
+
+class _Node:
+  """A reference cycle: only the cyclic collector frees it."""
+  def __init__(self):
+    self.me = self
+
+
+def test_freeze_heap_hides_live_objects_from_the_collector_until_unfrozen():
+  import gc
+  import weakref
+  from superinfer_jax.util import freeze_heap, unfreeze_heap
+  assert gc.get_freeze_count() == 0
+  node = _Node()
+  ref = weakref.ref(node)
+  try:
+    frozen = freeze_heap()
+    assert frozen == gc.get_freeze_count() > 0
+    assert not any(o is node for o in gc.get_objects())   # full collections no longer walk it
+    del node
+    gc.collect()
+    assert ref() is not None   # a frozen cycle outlives its last reference: why engines are built after the freeze
+    unfreeze_heap()
+    assert gc.get_freeze_count() == 0 and ref() is None
+  finally:
+    gc.unfreeze()

@@ -23,6 +23,7 @@ import os
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from superinfer_jax import util
 from superinfer_jax.configtree import knob
 from superinfer_jax.experiment import calibrate as calib
 from superinfer_jax.experiment.replay import StepTimer, loadavg_1m, replay_workload
@@ -185,12 +186,16 @@ def _warm_up(model_tuple, engine_config, workload, progress: bool) -> tuple[int,
 
 
 def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None,
-              on_engine: Optional[Callable[[Any, str], None]] = None) -> list[dict[str, Any]]:
+              on_engine: Optional[Callable[[Any, str], None]] = None, freeze_heap: bool = False) -> list[dict[str, Any]]:
   """Runs every (policy, variant, rps, repeat) of ``spec`` with ``engine_config`` (policy overridden).
 
   ``model_tuple`` = (cfg, params, tokenizer) skips loading ``spec.model`` (tests pass tiny models).
   ``on_engine(engine, label)`` is called with each timed run's engine (not the warm-up's), in run order,
   before it serves anything (``sim/validation.py`` records every step through it).
+  ``freeze_heap``: once the model is loaded, before the first engine, freeze what the process holds
+  (``util.freeze_heap``: the cyclic collector's full passes then skip the imports, weights and tokenizer,
+  ~600k objects); the sweep's engines stay collectable. For processes that run one sweep
+  (``scripts/run_experiment.py``); tests leave it off.
   Returns the results rows (also appended to ``<output_dir>/results.jsonl``).
   """
   from superinfer_jax.engine.engine import LLMEngine  # pylint: disable=import-outside-toplevel
@@ -214,6 +219,8 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None,
         raise
       tokenizer = None  # synthetic prompts are token ids; outputs then carry no text
     model_tuple = (cfg, params, tokenizer)
+  if freeze_heap:
+    util.freeze_heap()
   cfg, _, tokenizer = model_tuple
   max_len = min(engine_config.model.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
   # A request must fit the device pool on its own (the engine refuses it otherwise).

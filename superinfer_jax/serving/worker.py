@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional
 
 from superinfer_jax.parallel.events import AbortEvent, AddEvent, EventBatch
 from superinfer_jax.serving.protocol import APIError
+from superinfer_jax.util import freeze_heap, unfreeze_heap
 
 log = logging.getLogger("superinfer_jax.serving")
 
@@ -274,17 +275,23 @@ class EngineWorker:
       if self.engine.has_unfinished():
         raise RuntimeError("the engine still has unfinished requests after aborting them all")
       self.engine.block_manager.check_invariants()
+      return
     except Exception:  # pylint: disable=broad-except
       log.exception("the engine did not recover from a failed step")
       if self.engine_factory is None:
         raise
-      # The engine has no reset API: a pipelined step that raised leaves its plans in flight in the scheduler,
-      # so it is rebuilt (weights reloaded). The old one goes first, so its KV pool is freed before the new
-      # one allocates.
-      log.warning("rebuilding the engine")
-      self.engine = None
-      gc.collect()
-      self.engine = self.engine_factory()
+    # The engine has no reset API: a pipelined step that raised leaves its plans in flight in the scheduler,
+    # so it is rebuilt (weights reloaded). The old one goes first, so its KV pool is freed before the new one
+    # allocates: outside the except block (the exception's traceback holds the failed step's frames, which
+    # reference the old engine), and with the heap unfrozen (a frozen engine in a reference cycle is never
+    # collected: util.freeze_heap), frozen again afterwards if it was.
+    log.warning("rebuilding the engine")
+    self.engine = None
+    frozen = gc.get_freeze_count() > 0
+    unfreeze_heap()
+    self.engine = self.engine_factory()
+    if frozen:
+      freeze_heap()
 
   def _step(self) -> None:
     outputs = self.engine.step()
