@@ -14,7 +14,13 @@ and the pipelined loop it replaces, side by side) and once with transformers. Re
     wake-up latency is reported (probe_wakeup_ms) and the interpreter's switch interval is lowered to
     --switch_interval_s while the engine runs so that the watcher gets the GIL promptly;
   * torch: transformers ``generate`` (greedy, ``min_new_tokens = max_new_tokens``) on the same GGUF weights,
-    total new tokens/s (prefill included) — its decode-only rate is estimated by subtracting a 1-token run.
+    total new tokens/s (prefill included) — its decode-only rate is estimated by subtracting a 1-token run;
+    one row per ``--torch_threads`` value (``torch.set_num_threads``; 0, the default: every core the process
+    may run on, as many as XLA's CPU pool uses), each with ``torch_threads``. ``speedup_vs_torch_decode`` is
+    the engine's decode rate over the *fastest* transformers row of that batch (``torch_threads_best`` says
+    which), and ``speedup_vs_torch_by_threads`` gives it against each. Until 2026-12-04 the notes' runs
+    passed ``--torch_threads=1`` and so compared a two-core engine with a one-core transformers: on a quiet
+    2-vCPU box transformers at batch 16 ran 1.85x faster on two threads (WORKSPACE_NOTES 2026-12-04).
 Each side runs once untimed first (compilation / warm-up); --repeats > 1 interleaves the runs (engine
 loops, torch, engine loops, torch, ...) and reports, per impl, the run with the median decode rate, so a
 burst of load on a shared machine hits all sides alike. Every row carries the 1-minute load average and
@@ -59,7 +65,8 @@ flags.DEFINE_list("loops", ["zero_bubble", "pipelined"], "engine step loops to r
 flags.DEFINE_integer("repeats", 1, "interleaved runs per (impl, batch); the median-rate run is reported")
 flags.DEFINE_float("switch_interval_s", 1e-4, "sys.setswitchinterval while the engine runs (idle probe)")
 flags.DEFINE_bool("torch", True, "also run transformers generate on the same weights")
-flags.DEFINE_integer("torch_threads", 0, "torch.set_num_threads (0: leave default)")
+flags.DEFINE_list("torch_threads", ["0"], "torch.set_num_threads for each transformers run (0: every core this "
+                  "process may use, as XLA's CPU pool does); the engine's speedup is over the fastest")
 define_engine_flags()
 # The host thread outranks XLA's compute threads on a CPU backend (docs/platform.md); 0 leaves it alone.
 flags.FLAGS.set_default("host_thread_nice", -10)
@@ -145,8 +152,27 @@ def bench_engine(engine, batch, prompt_len, max_tokens, warm_up=True):
           "loadavg_1m": loadavg_1m()}
 
 
-def bench_torch(model, batch, prompt_len, max_tokens, vocab, warm_up=True):
+def torch_thread_counts(values) -> list[int]:
+  """``--torch_threads`` as distinct thread counts, in order (0: the cores this process may run on)."""
+  out = []
+  for v in values:
+    try:
+      n = int(v)
+    except ValueError:
+      raise app.UsageError(f"--torch_threads: {v!r} is not an integer") from None
+    if n < 0:
+      raise app.UsageError(f"--torch_threads: {n} < 0")
+    n = n or len(os.sched_getaffinity(0))
+    if n not in out:
+      out.append(n)
+  if not out:
+    raise app.UsageError("--torch_threads: give at least one thread count")
+  return out
+
+
+def bench_torch(model, batch, prompt_len, max_tokens, vocab, threads, warm_up=True):
   import torch  # pylint: disable=import-outside-toplevel
+  torch.set_num_threads(threads)
   ids = torch.tensor(_prompts(batch, prompt_len, vocab))
   mask = torch.ones_like(ids)
 
@@ -165,8 +191,8 @@ def bench_torch(model, batch, prompt_len, max_tokens, vocab, warm_up=True):
   total = run(max_tokens)
   decode = max(total - t_one, 1e-9)
   from superinfer_jax.experiment.replay import loadavg_1m  # pylint: disable=import-outside-toplevel
-  return {"impl": "transformers", "batch": batch, "prompt_len": prompt_len, "max_tokens": max_tokens,
-          "decode_tok_s": batch * (max_tokens - 1) / decode,
+  return {"impl": "transformers", "batch": batch, "torch_threads": threads, "prompt_len": prompt_len,
+          "max_tokens": max_tokens, "decode_tok_s": batch * (max_tokens - 1) / decode,
           "decode_step_ms": 1e3 * decode / (max_tokens - 1), "total_tok_s": batch * max_tokens / total,
           "total_s": total, "loadavg_1m": loadavg_1m()}
 
@@ -197,6 +223,19 @@ def _median_run(runs):
   return dict(run, repeats=len(runs))
 
 
+def add_torch_speedups(engine_rows, torch_rows) -> None:
+  """Adds to each engine row its decode-rate ratio over the fastest transformers row (``speedup_vs_torch_decode``,
+  ``torch_threads_best``) and over each (``speedup_vs_torch_by_threads``, keyed by thread count as a string)."""
+  if not torch_rows:
+    return
+  best = max(torch_rows, key=lambda t: t["decode_tok_s"])
+  for r in engine_rows:
+    r["speedup_vs_torch_decode"] = r["decode_tok_s"] / best["decode_tok_s"]
+    r["torch_threads_best"] = best["torch_threads"]
+    r["speedup_vs_torch_by_threads"] = {str(t["torch_threads"]): r["decode_tok_s"] / t["decode_tok_s"]
+                                        for t in torch_rows}
+
+
 def main(argv):
   del argv
   from superinfer_jax.engine.engine import LLMEngine  # pylint: disable=import-outside-toplevel
@@ -208,30 +247,26 @@ def main(argv):
     raise app.UsageError(f"--loops: unknown {unknown}; choose from {sorted(LOOPS)}")
   if FLAGS.repeats < 1:
     raise app.UsageError("--repeats must be >= 1")
+  torch_threads = torch_thread_counts(FLAGS.torch_threads) if FLAGS.torch else []
   model = load_model(FLAGS.model, dtype=config.model.dtype)     # one copy of the weights for every loop
   engines = {loop: LLMEngine(model, config.replace(**LOOPS[loop])) for loop in FLAGS.loops}
   batches = [int(b) for b in FLAGS.batch_sizes]
   tmodel = None
   if FLAGS.torch:
-    import torch  # pylint: disable=import-outside-toplevel
-    if FLAGS.torch_threads:
-      torch.set_num_threads(FLAGS.torch_threads)
     tmodel = _load_torch_model(resolve_model_path(FLAGS.model))
   freeze_heap()   # weights, tokenizer, imports and engines live as long as this process (util.freeze_heap)
   vocab = model[0].vocab_size
   machine = machine_description()
   for b in batches:
-    runs = {name: [] for name in list(engines) + (["transformers"] if tmodel is not None else [])}
+    runs = {name: [] for name in list(engines) + [("transformers", n) for n in torch_threads]}
     for rep in range(FLAGS.repeats):
       for loop, engine in engines.items():
         runs[loop].append(bench_engine(engine, b, FLAGS.prompt_len, FLAGS.max_tokens, warm_up=rep == 0))
-      if tmodel is not None:
-        runs["transformers"].append(bench_torch(tmodel, b, FLAGS.prompt_len, FLAGS.max_tokens, vocab,
-                                                warm_up=rep == 0))
+      for n in torch_threads:
+        runs[("transformers", n)].append(bench_torch(tmodel, b, FLAGS.prompt_len, FLAGS.max_tokens, vocab, n,
+                                                     warm_up=rep == 0))
     rows = [_median_run(runs[name]) for name in runs]
-    if tmodel is not None:
-      for r in rows[:-1]:
-        r["speedup_vs_torch_decode"] = r["decode_tok_s"] / rows[-1]["decode_tok_s"]
+    add_torch_speedups(rows[:len(engines)], rows[len(engines):])
     for r in rows:
       r["machine"] = machine
       print(json.dumps(_rounded(r)), flush=True)
