@@ -15,8 +15,9 @@ and the pipelined loop it replaces, side by side) and once with transformers. Re
     --switch_interval_s while the engine runs so that the watcher gets the GIL promptly;
   * torch: transformers ``generate`` (greedy, ``min_new_tokens = max_new_tokens``) on the same GGUF weights,
     total new tokens/s (prefill included) — its decode-only rate is estimated by subtracting a 1-token run;
-    one row per ``--torch_threads`` value (``torch.set_num_threads``; 0, the default: every core the process
-    may run on, as many as XLA's CPU pool uses), each with ``torch_threads``. ``speedup_vs_torch_decode`` is
+    one row per ``--torch_threads`` value (``torch.set_num_threads``; 0: every core the process may run on, as
+    many as XLA's CPU pool uses; the default ``0,1`` times both, since on a busy box one thread was the faster:
+    OpenMP's spinning threads lose their cores, 2026-12-01), each with ``torch_threads``. ``speedup_vs_torch_decode`` is
     the engine's decode rate over the *fastest* transformers row of that batch (``torch_threads_best`` says
     which), and ``speedup_vs_torch_by_threads`` gives it against each. Until 2026-12-04 the notes' runs
     passed ``--torch_threads=1`` and so compared a two-core engine with a one-core transformers: on a quiet
@@ -65,8 +66,8 @@ flags.DEFINE_list("loops", ["zero_bubble", "pipelined"], "engine step loops to r
 flags.DEFINE_integer("repeats", 1, "interleaved runs per (impl, batch); the median-rate run is reported")
 flags.DEFINE_float("switch_interval_s", 1e-4, "sys.setswitchinterval while the engine runs (idle probe)")
 flags.DEFINE_bool("torch", True, "also run transformers generate on the same weights")
-flags.DEFINE_list("torch_threads", ["0"], "torch.set_num_threads for each transformers run (0: every core this "
-                  "process may use, as XLA's CPU pool does); the engine's speedup is over the fastest")
+flags.DEFINE_list("torch_threads", ["0", "1"], "torch.set_num_threads for each transformers run (0: every core "
+                  "this process may use, as XLA's CPU pool does); the engine's speedup is over the fastest")
 define_engine_flags()
 # The host thread outranks XLA's compute threads on a CPU backend (docs/platform.md); 0 leaves it alone.
 flags.FLAGS.set_default("host_thread_nice", -10)
