@@ -9,10 +9,11 @@ dot per (token, kv head); at 16 sequences of SmolLM2 that was ~0.7 ms per layer,
 (WORKSPACE_NOTES, 2026-12-02). The kernel reads each K / V row once, in place in the cache, and scores the query
 heads of a GQA group against it together; nothing is gathered or transposed.
 
-Build: the source is compiled on first use with the host C++ compiler (``$CXX``, else ``c++``/``g++``) against
+Build: the source, together with ``cpu_dense.cc`` (the dense projection of ``cpu_dense.py``; one library holds
+both custom calls), is compiled on first use with the host C++ compiler (``$CXX``, else ``c++``/``g++``) against
 the XLA FFI headers of the installed jaxlib (``jax.ffi.include_dir()``), ``-O3 -march=native``, into a cache
 directory (``$SUPERINFER_KERNEL_CACHE``, else ``~/.cache/superinfer_jax/kernels``) under a name derived from the
-source, the flags, the compiler, the jaxlib version and the CPU, so a cached library is never reused across
+sources, the flags, the compiler, the jaxlib version and the CPU, so a cached library is never reused across
 machines or versions; the build writes a temporary file and renames it (concurrent builds are safe).
 ``available()`` says whether the kernel can be built and loaded here; ``build_error()`` why not. Attention
 ``"auto"`` picks this backend on a CPU where it builds and the reference otherwise (``model/attention.py``,
@@ -42,7 +43,10 @@ from pathlib import Path
 import numpy as np
 
 TARGET = "superinfer_cpu_paged_attention"
-SOURCE = Path(__file__).with_name("cpu_paged_attention.cc")
+DENSE_TARGET = "superinfer_cpu_dense"   # pallas_kernels/cpu_dense.py's custom call, built into the same library
+# Compiled together into one library: this kernel and the dense projection (cpu_dense.cc).
+SOURCES = (Path(__file__).with_name("cpu_paged_attention.cc"), Path(__file__).with_name("cpu_dense.cc"))
+_HANDLERS = ((TARGET, "SuperinferCpuPagedAttention"), (DENSE_TARGET, "SuperinferCpuDense"))
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
@@ -81,11 +85,11 @@ def library_path() -> Path:
   """Where the built library lives for this source, compiler, jaxlib and CPU (may not exist yet)."""
   import jaxlib  # pylint: disable=import-outside-toplevel
   h = hashlib.sha256()
-  for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), str(_compiler()).encode(),
+  for part in (*(src.read_bytes() for src in SOURCES), " ".join(FLAGS).encode(), str(_compiler()).encode(),
                jaxlib.__version__.encode(), _cpu_id().encode()):
     h.update(part)
     h.update(b"\0")
-  return _cache_dir() / f"libcpu_paged_attention-{h.hexdigest()[:16]}.so"
+  return _cache_dir() / f"libsuperinfer_cpu-{h.hexdigest()[:16]}.so"
 
 
 def build(force: bool = False) -> Path:
@@ -96,15 +100,15 @@ def build(force: bool = False) -> Path:
     return out
   cxx = _compiler()
   if cxx is None:
-    raise RuntimeError("no C++ compiler found (set $CXX, or install g++) to build the cpu_kernel attention")
+    raise RuntimeError("no C++ compiler found (set $CXX, or install g++) to build the CPU kernels")
   out.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
   os.close(fd)
-  cmd = [*cxx, *FLAGS, "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+  cmd = [*cxx, *FLAGS, "-isystem", jax.ffi.include_dir(), *map(str, SOURCES), "-o", tmp]
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode:
-      raise RuntimeError(f"building the cpu_kernel attention failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
+      raise RuntimeError(f"building the CPU kernels failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
     os.replace(tmp, out)
   finally:
     if os.path.exists(tmp):
@@ -117,12 +121,13 @@ _registered: list = []  # the loaded library, once its handler is registered wit
 
 @functools.cache
 def _register() -> None:
-  """Builds (or finds) the library and registers its handler for the CPU platform; raises if either fails."""
+  """Builds (or finds) the library and registers its handlers for the CPU platform; raises if either fails."""
   import jax  # pylint: disable=import-outside-toplevel
   path = build()
   if not _registered:
     lib = ctypes.cdll.LoadLibrary(str(path))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SuperinferCpuPagedAttention), platform="cpu")
+    for target, symbol in _HANDLERS:
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     _registered.append(lib)
 
 

@@ -148,6 +148,7 @@ def bench_engine(engine, batch, prompt_len, max_tokens, warm_up=True):
           "discarded_tokens": st.discarded_tokens,
           "pipeline": c.pipeline, "policy": c.scheduler.policy, "attention": c.model.attention,
           "attention_backend": resolved_attention_name(c.model.attention),
+          "dense_backend": engine.dense_backend, "dense_max_rows": c.model.dense_max_rows,
           "token_bucket_floor": c.token_bucket_floor, "host_thread_nice": engine.host_thread_nice,
           "host_thread_policy": engine.host_thread_policy,
           "loadavg_1m": loadavg_1m()}

@@ -53,6 +53,8 @@ def test_bench_engine_rows_side_by_side(tiny_model_dir):
       # "auto" is reported as the backend it resolved to: the C++ kernel on a CPU with a compiler.
       assert r["attention"] == "auto" and r["attention_backend"] == resolved_attention_name("auto")
       assert r["attention_backend"] == ("cpu_kernel" if cpu_paged_attention.available() else "reference")
+      # The tiny model is packable: "auto" runs small steps' projections on the C++ kernel where it builds.
+      assert r["dense_backend"] == ("cpu_kernel" if cpu_paged_attention.available() else "xla")
     # The zero-bubble loop reads step k's ids only after dispatching k+1: no host time exposed between steps.
     assert zb["decode_host_ms_per_step"]["exposed_host"] == 0
     assert pipe["decode_host_ms_per_step"]["exposed_host"] > 0

@@ -70,6 +70,7 @@ from superinfer_jax.kv.layout import BLOCK_FIRST
 from superinfer_jax.model import load_model, load_tokenizer
 from superinfer_jax.model.batch import bucket
 from superinfer_jax.model.forward import forward, init_kv_cache
+from superinfer_jax.model import dense_pack
 from superinfer_jax.model.fused import fuse_projections, transpose_mlp, unroll_layers
 from superinfer_jax.model.tokenizer import encode_text
 from superinfer_jax.parallel import distributed
@@ -235,8 +236,37 @@ class _InFlight:
   probe_step: int = -1                   # the idle probe's index of this step
 
 
+def _dense_backend(settings, cfg, layer_loop: str, single_device: bool) -> str:
+  """What ``ModelSettings.dense`` resolves to for this engine: ``cpu_kernel`` or ``xla``. ``auto`` takes the
+  kernel on XLA:CPU for an unrolled, single-device, packable model (``dense_pack.packable``) where it builds (else
+  ``xla``, logged with why); ``cpu_kernel`` asked for where it cannot apply raises ``ValueError`` /
+  ``RuntimeError`` with the reason."""
+  if settings.dense == "xla":
+    return "xla"
+  from pallas_kernels import cpu_dense  # pylint: disable=import-outside-toplevel
+  reasons = []
+  if jax.default_backend() != "cpu":
+    reasons.append(f"the backend is {jax.default_backend()}, not cpu")
+  if layer_loop != "unrolled":
+    reasons.append("the layers run as a scan (--layer_loop=unrolled needed)")
+  if not single_device:
+    reasons.append("tensor parallel")
+  if not dense_pack.packable(cfg, settings.dtype):
+    reasons.append(f"the model is not packable (MoE, dtype {settings.dtype}, or an output size not a multiple "
+                   f"of {dense_pack.LANES})")
+  if not reasons and cpu_dense.build_error() is not None:
+    reasons.append(f"the kernel does not build: {cpu_dense.build_error()}")
+  if not reasons:
+    return "cpu_kernel"
+  if settings.dense == "cpu_kernel":
+    raise ValueError(f"--dense=cpu_kernel cannot be used here: {'; '.join(reasons)}")
+  if jax.default_backend() == "cpu":
+    logging.getLogger(__name__).info("dense 'auto' uses XLA's dots: %s", "; ".join(reasons))
+  return "xla"
+
+
 def _step_fn(params, kv_cache, packed, prev_tokens, *, dims, cfg, attention, logits_sharding=None,
-             params_def=None, vocab_major_min_rows=0):
+             params_def=None, vocab_major_min_rows=0, dense_max_rows=0):
   """Model forward on the donated cache + on-device sampling. Returns (tokens[N] int32, kv_cache).
 
   ``params``: the weights pytree, or (with ``params_def``, its static treedef) the tuple of its leaves:
@@ -255,7 +285,8 @@ def _step_fn(params, kv_cache, packed, prev_tokens, *, dims, cfg, attention, log
   batch = batch._replace(token_ids=packing.feed_tokens(batch.token_ids, feed, prev_tokens))
   rows = batch.logits_indices.shape[0]
   logits_layout = "vocab" if 0 < vocab_major_min_rows <= rows else "rows"
-  logits, kv_cache = forward(params, kv_cache, batch, cfg, attention, logits_layout=logits_layout)
+  logits, kv_cache = forward(params, kv_cache, batch, cfg, attention, logits_layout=logits_layout,
+                             dense_max_rows=dense_max_rows)
   if logits_sharding is not None:
     logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
   tokens = sampling_lib.sample(logits, *samp, vocab_major=logits_layout == "vocab")
@@ -287,7 +318,7 @@ def _host_to_device_allowed() -> bool:
 # One jit for all engines in the process (cfg and attention static), so engines built on the same model and
 # bucket floors share compilations.
 _jit_step = jax.jit(_step_fn, static_argnames=("dims", "cfg", "attention", "logits_sharding", "params_def",
-                                               "vocab_major_min_rows"),
+                                               "vocab_major_min_rows", "dense_max_rows"),
                     donate_argnums=(1,))
 
 
@@ -354,6 +385,10 @@ class LLMEngine:
       self.params = unroll_layers(transpose_mlp(fuse_projections(params, run_cfg)) if self.tp is None else params)
     else:
       self.params = params
+    self.dense_backend = _dense_backend(config.model, run_cfg, self.layer_loop, self.tp is None)
+    if self.dense_backend == "cpu_kernel":
+      # Decode-sized steps run the projections on the C++ kernel over one packed copy (model/dense_pack.py).
+      self.params = dict(self.params, dense_packed=jax.device_put(dense_pack.pack_params(self.params, run_cfg)))
     self.tokenizer = tokenizer if tokenizer is not None else tok
     self.eos_token_ids = frozenset(_eos_token_ids(cfg, self.tokenizer))
     self.max_model_len = min(config.model.max_model_len or cfg.max_position_embeddings,
@@ -377,7 +412,8 @@ class LLMEngine:
     # over axis 0 is faster than [rows, vocab] (docs/platform.md); [rows, vocab] elsewhere (GPUs: not
     # measured yet).
     self._step_kwargs = dict(cfg=run_cfg, attention=config.model.attention,
-                             vocab_major_min_rows=8 if jax.default_backend() == "cpu" else 0)
+                             vocab_major_min_rows=8 if jax.default_backend() == "cpu" else 0,
+                             dense_max_rows=config.model.dense_max_rows if self.dense_backend == "cpu_kernel" else 0)
     if self.tp is not None:
       self._step_kwargs.update(attention=self.tp.attention(config.model.attention),
                                logits_sharding=self.tp.replicated)

@@ -23,7 +23,7 @@ from superinfer_jax.model.attention import resolve_attention
 from superinfer_jax.model.batch import BatchInputs
 from superinfer_jax.model.config import ModelConfig
 from superinfer_jax.model.moe import matmul, moe_mlp
-from superinfer_jax.model import fused
+from superinfer_jax.model import dense_pack, fused
 from superinfer_jax.model.params import DTYPES
 
 
@@ -110,7 +110,7 @@ LOGITS_LAYOUTS = ("rows", "vocab")
 
 
 def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, attention="reference",
-            moe: str = "auto", logits_layout: str = "rows") -> tuple[jax.Array, jax.Array]:
+            moe: str = "auto", logits_layout: str = "rows", dense_max_rows: int = 0) -> tuple[jax.Array, jax.Array]:
   """One ragged model step.
 
   Args:
@@ -127,6 +127,8 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
     logits_layout: "rows" (default): logits ``[R, vocab]``; "vocab": their transpose ``[vocab, R]``, computed
       as ``W_out . x^T`` (static). On XLA CPU that product is faster for a few rows (measured in
       docs/platform.md) and a greedy argmax over axis 0 reads it in place; the engine picks it on CPU.
+    dense_max_rows: steps of at most this many tokens (static; 0: none) run the layers' projections on the
+      ``cpu_dense`` kernel from ``params["dense_packed"]`` (``model/dense_pack.py``; unrolled layers only).
   Returns:
     ``(logits float32 in logits_layout, kv_cache with this step's K/V written)``.
   """
@@ -140,25 +142,28 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
   x = params["embed"][batch.token_ids]                                  # [T, H]
   cos, sin = rope_cos_sin(cfg, batch)
   windows = cfg.layer_windows()
+  packed = params.get("dense_packed") if 0 < T <= dense_max_rows else None
 
   def layer_body(carry, xs):
     x, kv = carry
     lp, layer, window = xs
+    proj = None if packed is None else dense_pack.projector(packed, cfg, layer)   # layer: a Python int here
     attn_norm, mlp_norm = fused.norms(lp)
     h = rms_norm(x, attn_norm, cfg.rms_norm_eps)
-    q, k, v = fused.qkv(h, lp, cfg)
+    q, k, v = fused.qkv(h, lp, cfg, proj)
     q = apply_rope(q.reshape(T, Hq, D), cos, sin)
     k = apply_rope(k.reshape(T, Hkv, D), cos, sin)
     kv = write_kv(kv, layer, k, v.reshape(T, Hkv, D), batch.slot_mapping)
     kw = {} if windows is None else {"window": window}
     o = attn(q, kv, layer, batch.block_tables, batch.context_lens, batch.query_start_loc, scale=scale, **kw)
-    x = x + matmul(o.reshape(T, Hq * D).astype(x.dtype), lp["wo"])
+    o = o.reshape(T, Hq * D).astype(x.dtype)
+    x = x + (matmul(o, lp["wo"]) if proj is None else proj("o", o).astype(x.dtype))
     h = rms_norm(x, mlp_norm, cfg.rms_norm_eps)
     if cfg.is_moe:
       x = x + moe_mlp(h, lp, cfg.num_experts_per_token, impl=moe)
     else:
-      gate, up = fused.gate_up(h, lp)
-      x = x + fused.down((jax.nn.silu(gate) * up).astype(h.dtype), lp)
+      gate, up = fused.gate_up(h, lp, proj)
+      x = x + fused.down((jax.nn.silu(gate) * up).astype(h.dtype), lp, proj)
     return (x, kv), None
 
   layer_windows = jnp.asarray(windows or (0,) * cfg.num_layers, jnp.int32)
@@ -169,6 +174,8 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
       lp = fused.layer_params(params, layer)
       (x, kv_cache), _ = layer_body((x, kv_cache), (lp, layer, layer_windows[layer]))
   else:
+    if packed is not None:
+      raise ValueError("dense_max_rows needs the unrolled layer layout (fused.unroll_layers)")
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, kv_cache), _ = jax.lax.scan(layer_body, (x, kv_cache), (params["layers"], layer_ids, layer_windows))
   x = rms_norm(x[batch.logits_indices], params["final_norm"], cfg.rms_norm_eps)   # [R, H]
@@ -183,5 +190,7 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
   return logits.astype(jnp.float32), kv_cache
 
 
-# Jitted ``forward``: ``kv_cache`` donated, ``cfg``, ``attention``, ``moe`` and ``logits_layout`` static.
-step = jax.jit(forward, static_argnames=("cfg", "attention", "moe", "logits_layout"), donate_argnames=("kv_cache",))
+# Jitted ``forward``: ``kv_cache`` donated, ``cfg``, ``attention``, ``moe``, ``logits_layout`` and ``dense_max_rows``
+# static.
+step = jax.jit(forward, static_argnames=("cfg", "attention", "moe", "logits_layout", "dense_max_rows"),
+               donate_argnames=("kv_cache",))

@@ -62,10 +62,11 @@ def norms(lp) -> tuple[jax.Array, jax.Array]:
   return lp["attn_norm"], lp["mlp_norm"]
 
 
-def qkv(h: jax.Array, lp, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """q ``[T, Hq*D]``, k, v ``[T, Hkv*D]`` of one layer from either layout (biases added)."""
-  if "wqkv" in lp:
-    out = matmul(h, lp["wqkv"])
+def qkv(h: jax.Array, lp, cfg: ModelConfig, proj=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """q ``[T, Hq*D]``, k, v ``[T, Hkv*D]`` of one layer from either layout (biases added). ``proj``: the layer's
+  ``model/dense_pack.projector``, used instead of the weights when given."""
+  if proj is not None or "wqkv" in lp:
+    out = proj("qkv", h).astype(h.dtype) if proj is not None else matmul(h, lp["wqkv"])
     if cfg.qkv_bias:
       out = out + lp["bqkv"]
     Q, KV = cfg.q_size, cfg.kv_size
@@ -99,17 +100,20 @@ def transpose_mlp(params):
   return dict(params, layers=layers)
 
 
-def down(a: jax.Array, lp) -> jax.Array:
-  """The dense MLP's down projection of ``a [T, F]`` (in ``a``'s dtype) from any layout."""
+def down(a: jax.Array, lp, proj=None) -> jax.Array:
+  """The dense MLP's down projection of ``a [T, F]`` (in ``a``'s dtype) from any layout (``proj``: as ``qkv``)."""
+  if proj is not None:
+    return proj("down", a).astype(a.dtype)
   if "w_down_t" in lp:
     return matmul_t(a, lp["w_down_t"])
   return matmul(a, lp["w_down"])
 
 
-def gate_up(h: jax.Array, lp) -> tuple[jax.Array, jax.Array]:
-  """The dense MLP's gate and up products ``[T, F]`` (float32) from any layout."""
-  if "w_gate_up_t" in lp or "w_gate_up" in lp:
-    out = (matmul_t(h, lp["w_gate_up_t"], out=jnp.float32) if "w_gate_up_t" in lp
+def gate_up(h: jax.Array, lp, proj=None) -> tuple[jax.Array, jax.Array]:
+  """The dense MLP's gate and up products ``[T, F]`` (float32) from any layout (``proj``: as ``qkv``)."""
+  if proj is not None or "w_gate_up_t" in lp or "w_gate_up" in lp:
+    out = (proj("gate_up", h) if proj is not None
+           else matmul_t(h, lp["w_gate_up_t"], out=jnp.float32) if "w_gate_up_t" in lp
            else matmul(h, lp["w_gate_up"], out=jnp.float32))
     F = out.shape[-1] // 2
     return out[:, :F], out[:, F:]
