@@ -10,17 +10,19 @@
 //
 // Why: at decode (a few rows) a step's dense layers are bound by streaming the weights from memory. XLA's dots,
 // like torch's, ran at ~12 GB/s at 16 rows, against the ~28 GB/s a 1-row pass reaches (WORKSPACE_NOTES,
-// 2026-12-04). Here each thread streams its panels once, contiguously: one 64-byte row of a panel per k, used by
-// every row of x (up to 16 accumulator registers, one per row, the row's x[m, k] broadcast), so the weights are read
-// once per call whatever M is (rows beyond 16 re-read the panel from L1/L2, not from memory).
+// 2026-12-04). Here each thread streams its panels once, contiguously, two adjacent panels at a time: per k, one
+// 64-byte row of each, used by up to 14 rows of x (28 accumulator registers, each row's x[m, k] broadcast), so the
+// weights are read from memory once per call whatever M is (rows beyond 14 re-read the panels from L1/L2).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <vector>
 
+#include "cpu_workers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -32,47 +34,70 @@ namespace {
 typedef float V16 __attribute__((vector_size(64), aligned(4), may_alias));
 
 constexpr int64_t kLanes = 16;
-constexpr int64_t kPrefetch = 8;  // rows (k) of the panel ahead of the one being used
+// Software prefetch distances, in 64-byte rows (k) of a panel: into L1 a little ahead, into L2 further ahead. With
+// the 30 SmolLM2 layers' weights streamed from memory at 16 rows, (8, none) ran at 19 GB/s, (32, 256) at 20-22; at
+// one row 22 against 28-30 GB/s (WORKSPACE_NOTES 2026-12-04, /tmp harness).
+constexpr int64_t kPrefetchL1 = 32;
+constexpr int64_t kPrefetchL2 = 256;
+// A tile is up to kRows rows of x against kPanels adjacent panels: kRows x kPanels accumulator registers (28 of the
+// 32 zmm), each k loading kPanels weight vectors and kRows broadcasts of x for kRows x kPanels fused multiply-adds.
+constexpr int kRows = 14;
+constexpr int kPanels = 2;
 
-// Rows m0..m0+MR-1 of x (transposed: xt[k * M + m]) against one panel: MR x 16 outputs.
-template <int MR>
-void PanelRows(const float* xt, int64_t M, int64_t m0, const float* panel, int64_t K, float* out, int64_t N,
-               int64_t n0) {
-  V16 acc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = V16{};
+// Rows m0..m0+MR-1 of x (transposed: xt[k * M + m]) against panels p..p+NP-1 (`panel` points at panel p; panel
+// p + j starts K * 16 floats later): MR x 16 NP outputs, written to out[m, n0 ..].
+template <int MR, int NP>
+void Tile(const float* xt, int64_t M, int64_t m0, const float* panel, int64_t K, float* out, int64_t N, int64_t n0) {
+  V16 acc[MR][NP];
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < NP; ++j) acc[i][j] = V16{};
+  }
+  const int64_t stride = K * kLanes;
   const float* xk = xt + m0;
   for (int64_t k = 0; k < K; ++k, xk += M) {
-    const V16 w = *reinterpret_cast<const V16*>(panel + k * kLanes);
-    __builtin_prefetch(panel + (k + kPrefetch) * kLanes);
-    for (int i = 0; i < MR; ++i) acc[i] += xk[i] * w;
+    V16 w[NP];
+    for (int j = 0; j < NP; ++j) {
+      const float* row = panel + j * stride + k * kLanes;
+      w[j] = *reinterpret_cast<const V16*>(row);
+      __builtin_prefetch(row + kPrefetchL1 * kLanes);
+      __builtin_prefetch(row + kPrefetchL2 * kLanes, 0, 1);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const float xv = xk[i];
+      for (int j = 0; j < NP; ++j) acc[i][j] += xv * w[j];
+    }
   }
-  for (int i = 0; i < MR; ++i) *reinterpret_cast<V16*>(out + (m0 + i) * N + n0) = acc[i];
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < NP; ++j) *reinterpret_cast<V16*>(out + (m0 + i) * N + n0 + j * kLanes) = acc[i][j];
+  }
 }
 
-template <int MR>
-void PanelTail(const float* xt, int64_t M, int64_t m0, const float* panel, int64_t K, float* out, int64_t N,
-               int64_t n0, int64_t rows) {
+// The last `rows` (< kRows) rows: a tile of exactly that many rows.
+template <int MR, int NP>
+void TailTile(const float* xt, int64_t M, int64_t m0, const float* panel, int64_t K, float* out, int64_t N,
+              int64_t n0, int64_t rows) {
   if constexpr (MR > 0) {
-    if (rows == MR) return PanelRows<MR>(xt, M, m0, panel, K, out, N, n0);
-    return PanelTail<MR - 1>(xt, M, m0, panel, K, out, N, n0, rows);
+    if (rows == MR) return Tile<MR, NP>(xt, M, m0, panel, K, out, N, n0);
+    return TailTile<MR - 1, NP>(xt, M, m0, panel, K, out, N, n0, rows);
   }
 }
 
-// Every row of x against panel p.
-void Panel(const float* xt, int64_t M, const float* w, int64_t K, float* out, int64_t N, int64_t p) {
+// Every row of x against panels p..p+NP-1.
+template <int NP>
+void Panels(const float* xt, int64_t M, const float* w, int64_t K, float* out, int64_t N, int64_t p) {
   const float* panel = w + p * K * kLanes;
   int64_t m0 = 0;
-  for (; m0 + kLanes <= M; m0 += kLanes) PanelRows<kLanes>(xt, M, m0, panel, K, out, N, p * kLanes);
-  if (m0 < M) PanelTail<kLanes - 1>(xt, M, m0, panel, K, out, N, p * kLanes, M - m0);
+  for (; m0 + kRows <= M; m0 += kRows) Tile<kRows, NP>(xt, M, m0, panel, K, out, N, p * kLanes);
+  if (m0 < M) TailTile<kRows - 1, NP>(xt, M, m0, panel, K, out, N, p * kLanes, M - m0);
 }
 
-// The panels of one call, shared by the threads that compute them (as in cpu_paged_attention.cc: heap-allocated
-// and reference-counted, so a pool task that starts after the call returned finds nothing left to do).
-struct Work {
-  std::vector<float> xt;             // x transposed, [K, M]
-  std::atomic<int64_t> next{0};      // the next chunk of panels
-  std::atomic<int64_t> active{0};    // threads inside the drain loop
-};
+// Panels p0..p1-1, kPanels at a time (one left over runs alone).
+void PanelRange(const float* xt, int64_t M, const float* w, int64_t K, float* out, int64_t N, int64_t p0,
+                int64_t p1) {
+  int64_t p = p0;
+  for (; p + kPanels <= p1; p += kPanels) Panels<kPanels>(xt, M, w, K, out, N, p);
+  for (; p < p1; ++p) Panels<1>(xt, M, w, K, out, N, p);
+}
 
 ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, int64_t offset,
                  int64_t panels, ffi::ResultBuffer<ffi::F32> out) {
@@ -94,31 +119,26 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
     std::memset(op, 0, M * N * sizeof(float));
     return ffi::Error::Success();
   }
-  auto work = std::make_shared<Work>();
-  work->xt.resize(K * M);
+  std::vector<float> xt(K * M);  // x transposed, [K, M]
   const float* xp = x.typed_data();
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t k = 0; k < K; ++k) work->xt[k * M + m] = xp[m * K + k];
+    for (int64_t k = 0; k < K; ++k) xt[k * M + m] = xp[m * K + k];
   }
   const float* wp = w.typed_data() + offset;
-  // Chunks of panels: at least ~64 KiB of weights each, so that handing one out costs little against its work.
-  const int64_t chunk = std::max<int64_t>(1, (64 * 1024) / (K * kLanes * int64_t(sizeof(float))));
+  // Chunks of panels: ~256 KiB of weights each (a whole number of tiles), so that handing one out costs little
+  // against its work and each thread streams long contiguous runs (at one row, 64 KiB chunks ran at 25 GB/s,
+  // 256 KiB at 28-30).
+  const int64_t per_chunk = std::max<int64_t>(1, (256 * 1024) / (K * kLanes * int64_t(sizeof(float))));
+  const int64_t chunk = (per_chunk + kPanels - 1) / kPanels * kPanels;
   const int64_t chunks = (P + chunk - 1) / chunk;
-  auto drain = [=](Work& wk) {
-    wk.active.fetch_add(1);
-    for (int64_t c; (c = wk.next.fetch_add(1)) < chunks;) {
-      const int64_t p1 = std::min(P, (c + 1) * chunk);
-      for (int64_t p = c * chunk; p < p1; ++p) Panel(wk.xt.data(), M, wp, K, op, N, p);
+  std::atomic<int64_t> next{0};  // the next chunk (work stealing over chunks)
+  const std::function<void()> drain = [&] {
+    for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
+      PanelRange(xt.data(), M, wp, K, op, N, c * chunk, std::min(P, (c + 1) * chunk));
     }
-    wk.active.fetch_sub(1);
   };
-  // Helpers from XLA's intra-op pool; the calling thread works too, so the call finishes even if none starts.
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([work, drain]() { drain(*work); });
-  }
-  drain(*work);
-  while (work->active.load() != 0) std::this_thread::yield();
+  // The calling thread and the library's workers (cpu_workers.h), one per core of XLA's pool.
+  superinfer::Workers::Get(pool.num_threads()).Run(drain, chunks - 1);
   return ffi::Error::Success();
 }
 

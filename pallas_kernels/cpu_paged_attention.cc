@@ -22,12 +22,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "cpu_workers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -94,6 +96,42 @@ inline float Dot(const float* a, const float* b, int64_t n) {
 
 // One query token: every query head against keys lo..hi of its sequence, in key order. Each key's K row
 // (all kv heads, contiguous in the cache) is read once and scored against all Hq heads; then the same for V.
+#define SHUF __builtin_shufflevector
+// Dot(q, key j) for 16 keys j = 0..15 (key j at k + j * stride), returned as one vector in key order: each with
+// Dot's own additions in Dot's order (per key, 16 partial sums over d; then lanes 8 + 8, 4 + 4, (0 + 2) + (1 + 3)),
+// so bit-identical to 16 calls of Dot, but folded for 16 keys at once by shuffles (a 16-lane horizontal sum per
+// score cost more than its products at head_dim 64). D must be a multiple of 16.
+inline V16 Dot16(const float* q, const float* k, int64_t stride, int64_t D) {
+  V16 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = V16{};
+  for (int64_t d = 0; d < D; d += 16) {
+    const V16 qd = *reinterpret_cast<const V16u*>(q + d);
+    for (int j = 0; j < 16; ++j) acc[j] += qd * *reinterpret_cast<const V16u*>(k + j * stride + d);
+  }
+  // Keys (2i, 2i+1): lanes 0-7 key 2i's s8 = lo8 + hi8, lanes 8-15 key 2i+1's.
+  V16 x[8];
+  for (int i = 0; i < 8; ++i) {
+    x[i] = SHUF(acc[2 * i], acc[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUF(acc[2 * i], acc[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  // Keys 4m..4m+3: 4 lanes each, s4[j] = s8[j] + s8[j + 4].
+  V16 y[4];
+  for (int m = 0; m < 4; ++m) {
+    y[m] = SHUF(x[2 * m], x[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           SHUF(x[2 * m], x[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  // Keys 8n..8n+7: 2 lanes each, (s4[0] + s4[2]) and (s4[1] + s4[3]).
+  V16 z[2];
+  for (int n = 0; n < 2; ++n) {
+    z[n] = SHUF(y[2 * n], y[2 * n + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           SHUF(y[2 * n], y[2 * n + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  // Keys 0..15: their two halves summed.
+  return SHUF(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         SHUF(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+#undef SHUF
+
 template <typename EQ, typename E>
 void Attend(const typename EQ::T* q, const typename E::T* cache, int64_t L, int64_t BS, int64_t Hkv, int64_t D,
             int64_t layer, const int32_t* table, int64_t MB, int64_t num_blocks, int64_t pos, int32_t window,
@@ -117,13 +155,42 @@ void Attend(const typename EQ::T* q, const typename E::T* cache, int64_t L, int6
   EQ::load(q, qf.data(), hq * D);
   const int64_t row_len = Hkv * D;  // one token's K (or V) row within a (block, layer, k|v) slab
   const int64_t slab = BS * row_len;
+  // Prefetch every K and V row this token reads before using any: the rows sit in a few 2 x BS-row slabs
+  // scattered over a large cache (cold after the step's weights streamed through), and asked for one at a
+  // time they arrived at ~7 GB/s (a decode step at batch 16: 166 us a layer; WORKSPACE_NOTES 2026-12-04).
+  for (int64_t b = lo / BS; b <= hi / BS; ++b) {
+    int64_t blk = table[b];
+    blk = blk < 0 ? 0 : (blk >= num_blocks ? num_blocks - 1 : blk);
+    const int64_t k0 = std::max<int64_t>(lo, b * BS), k1 = std::min<int64_t>(hi, b * BS + BS - 1);
+    for (int kv = 0; kv < 2; ++kv) {
+      const char* first = reinterpret_cast<const char*>(cache + ((blk * L + layer) * 2 + kv) * slab +
+                                                        (k0 - b * BS) * row_len);
+      const int64_t bytes = (k1 - k0 + 1) * row_len * static_cast<int64_t>(sizeof(T));
+      for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(first + off);
+    }
+  }
   for (int kv = 0; kv < 2; ++kv) {
     for (int64_t b = lo / BS; b <= hi / BS; ++b) {
       int64_t blk = table[b];
       blk = blk < 0 ? 0 : (blk >= num_blocks ? num_blocks - 1 : blk);  // in range by contract; never read outside
       const T* base = cache + ((blk * L + layer) * 2 + kv) * slab;
       const int64_t k0 = std::max<int64_t>(lo, b * BS), k1 = std::min<int64_t>(hi, b * BS + BS - 1);
-      for (int64_t k = k0; k <= k1; ++k) {
+      int64_t k = k0;
+      if constexpr (sizeof(T) == sizeof(float)) {  // scores of 16 keys at a time (float32 cache, D % 16 == 0)
+        if (kv == 0 && D % 16 == 0) {
+          for (; k + 16 <= k1 + 1; k += 16) {
+            const float* src = reinterpret_cast<const float*>(base + (k - b * BS) * row_len);
+            for (int64_t h = 0; h < Hkv; ++h) {
+              for (int64_t g = 0; g < group; ++g) {
+                const int64_t qh = h * group + g;
+                const V16 sc = Dot16(qf.data() + qh * D, src + h * D, row_len, D) * scale;
+                *reinterpret_cast<V16u*>(scores.data() + qh * n + (k - lo)) = sc;
+              }
+            }
+          }
+        }
+      }
+      for (; k <= k1; ++k) {
         const T* src = base + (k - b * BS) * row_len;
         const float* r;
         if constexpr (sizeof(T) == sizeof(float)) {
@@ -175,14 +242,6 @@ void Attend(const typename EQ::T* q, const typename E::T* cache, int64_t L, int6
   EQ::store(acc.data(), out, hq * D);
 }
 
-// The tokens of one call, shared by the threads that attend them. Heap-allocated and reference-counted: a pool
-// task that starts after the call returned finds no token left and touches nothing else.
-struct Work {
-  std::vector<std::pair<int32_t, int32_t>> tokens;  // (token, its sequence) for every query token in a range
-  std::atomic<int64_t> next{0};                     // the next entry of ``tokens`` to attend
-  std::atomic<int64_t> active{0};                   // threads inside Drain
-};
-
 template <typename EQ, typename E>
 ffi::Error Run(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer cache, int64_t layer,
                const int32_t* tables, int64_t S, int64_t MB, const int32_t* ctx, const int32_t* qsl,
@@ -197,37 +256,31 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer cache, in
   const T* cp = reinterpret_cast<const T*>(cache.untyped_data());
   TQ* op = reinterpret_cast<TQ*>(out->untyped_data());
   const int64_t group = Hq / Hkv;
-  auto work = std::make_shared<Work>();
+  std::vector<std::pair<int32_t, int32_t>> tokens;  // (token, its sequence) for every query token in a range
   std::vector<bool> done(T_, false);
   for (int64_t s = 0; s < S; ++s) {
     for (int64_t t = std::max<int64_t>(0, qsl[s]); t < std::min<int64_t>(T_, qsl[s + 1]); ++t) {
-      if (!done[t]) work->tokens.emplace_back(static_cast<int32_t>(t), static_cast<int32_t>(s));
+      if (!done[t]) tokens.emplace_back(static_cast<int32_t>(t), static_cast<int32_t>(s));
       done[t] = true;  // query_start_loc is non-decreasing, so ranges do not overlap
     }
   }
   for (int64_t t = 0; t < T_; ++t) {  // padding tokens: 0 (all-zero bits in f32 and bf16)
     if (!done[t]) std::memset(op + t * Hq * D, 0, Hq * D * sizeof(TQ));
   }
-  const int64_t n = static_cast<int64_t>(work->tokens.size());
+  const int64_t n = static_cast<int64_t>(tokens.size());
   // Each thread takes the next token until none is left (work stealing over tokens).
-  auto drain = [=](Work& w) {
-    w.active.fetch_add(1);
-    for (int64_t i; (i = w.next.fetch_add(1)) < n;) {
-      const int64_t t = w.tokens[i].first, s = w.tokens[i].second;
+  std::atomic<int64_t> next{0};
+  const std::function<void()> drain = [&] {
+    for (int64_t i; (i = next.fetch_add(1)) < n;) {
+      const int64_t t = tokens[i].first, s = tokens[i].second;
       const int64_t pos = static_cast<int64_t>(ctx[s]) - (qsl[s + 1] - qsl[s]) + (t - qsl[s]);
       Attend<EQ, E>(qp + t * Hq * D, cp, L, BS, Hkv, D, layer, tables + s * MB, MB, NB, pos, window, group,
                     scale, op + t * Hq * D);
     }
-    w.active.fetch_sub(1);
   };
-  // Helpers from XLA's intra-op pool (its other threads idle while this call runs); one token is too little
-  // to share. The calling thread works too, so the call finishes even if no helper ever starts.
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([work, drain]() { drain(*work); });
-  }
-  drain(*work);
-  while (work->active.load() != 0) std::this_thread::yield();  // tokens taken by helpers, still running
+  // The calling thread and the library's workers (cpu_workers.h: XLA's pool threads park and wake late); one
+  // token is too little to share.
+  superinfer::Workers::Get(pool.num_threads()).Run(drain, n - 1);
   return ffi::Error::Success();
 }
 

@@ -46,6 +46,7 @@ TARGET = "superinfer_cpu_paged_attention"
 DENSE_TARGET = "superinfer_cpu_dense"   # pallas_kernels/cpu_dense.py's custom call, built into the same library
 # Compiled together into one library: this kernel and the dense projection (cpu_dense.cc).
 SOURCES = (Path(__file__).with_name("cpu_paged_attention.cc"), Path(__file__).with_name("cpu_dense.cc"))
+HEADERS = (Path(__file__).with_name("cpu_workers.h"),)   # included by both; part of the library's cache key
 _HANDLERS = ((TARGET, "SuperinferCpuPagedAttention"), (DENSE_TARGET, "SuperinferCpuDense"))
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
@@ -85,7 +86,7 @@ def library_path() -> Path:
   """Where the built library lives for this source, compiler, jaxlib and CPU (may not exist yet)."""
   import jaxlib  # pylint: disable=import-outside-toplevel
   h = hashlib.sha256()
-  for part in (*(src.read_bytes() for src in SOURCES), " ".join(FLAGS).encode(), str(_compiler()).encode(),
+  for part in (*(src.read_bytes() for src in (*SOURCES, *HEADERS)), " ".join(FLAGS).encode(), str(_compiler()).encode(),
                jaxlib.__version__.encode(), _cpu_id().encode()):
     h.update(part)
     h.update(b"\0")

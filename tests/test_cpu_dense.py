@@ -16,7 +16,7 @@ def _rel_err(y, r):
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 64, 16), (3, 7, 32), (16, 576, 960), (17, 40, 48), (33, 96, 64),
-                                   (64, 128, 16), (5, 1, 16)])
+                                   (64, 128, 16), (5, 1, 16), (28, 33, 80)])
 def test_kernel_matches_float64(m, k, n):
   rng = np.random.default_rng(m * 1000 + k + n)
   x = rng.standard_normal((m, k), dtype=np.float32)
@@ -90,7 +90,11 @@ def test_packed_model_buffer_matches_fused_weights():
   stacked = fused.fuse_projections(params, cfg)
   unrolled = fused.unroll_layers(fused.transpose_mlp(stacked))
   buf = dense_pack.pack_params(unrolled, cfg)
-  assert buf.size == ranges[-1][1] and np.array_equal(buf, dense_pack.pack_params(stacked, cfg))
+  head_offset, head_panels, head_k = dense_pack.head_layout(cfg)
+  # The output head follows the last layer's projections and ends the buffer.
+  assert head_offset == ranges[-1][1] and buf.size == head_offset + head_panels * 16 * head_k
+  assert buf.size * 4 == dense_pack.packed_bytes(cfg)
+  assert np.array_equal(buf, dense_pack.pack_params(stacked, cfg))
   x = jax.random.normal(jax.random.PRNGKey(1), (5, cfg.hidden_size), jnp.float32)
   for i in range(cfg.num_layers):
     lp = fused.layer_params(unrolled, i)
@@ -101,6 +105,26 @@ def test_packed_model_buffer_matches_fused_weights():
     np.testing.assert_allclose(proj("gate_up", x), x @ lp["w_gate_up_t"].T, rtol=1e-5, atol=1e-5)
     xf = jax.random.normal(jax.random.PRNGKey(2 + i), (5, cfg.intermediate_size), jnp.float32)
     np.testing.assert_allclose(proj("down", xf), xf @ lp["w_down_t"].T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied,vocab", [(False, 128), (True, 100), (False, 37)])
+def test_packed_head_logits_match_the_output_weight(tied, vocab):
+  # The head's vocabulary is padded to a multiple of 16 columns with zeros and sliced back off.
+  import dataclasses
+  from test_engine_utils import random_params, tiny_config
+  from superinfer_jax.model import dense_pack, fused
+  cfg = dataclasses.replace(tiny_config(vocab=vocab), tie_word_embeddings=tied)
+  params = random_params(cfg, seed=5)
+  if tied:
+    params.pop("lm_head", None)
+  assert dense_pack.head_panels(cfg) == -(-vocab // 16)
+  buf = jnp.asarray(dense_pack.pack_params(fused.fuse_projections(params, cfg), cfg))
+  x = jax.random.normal(jax.random.PRNGKey(7), (6, cfg.hidden_size), jnp.float32)
+  w_out = np.asarray(params["embed"]).T if tied else np.asarray(params["lm_head"])
+  assert w_out.shape == (cfg.hidden_size, vocab)
+  logits = dense_pack.head_logits(buf, cfg, x)
+  assert logits.shape == (6, vocab)
+  np.testing.assert_allclose(logits, np.asarray(x, np.float64) @ w_out.astype(np.float64), rtol=1e-5, atol=1e-5)
 
 
 def test_engine_dense_kernel_tokens_match_xla():

@@ -127,8 +127,9 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
     logits_layout: "rows" (default): logits ``[R, vocab]``; "vocab": their transpose ``[vocab, R]``, computed
       as ``W_out . x^T`` (static). On XLA CPU that product is faster for a few rows (measured in
       docs/platform.md) and a greedy argmax over axis 0 reads it in place; the engine picks it on CPU.
-    dense_max_rows: steps of at most this many tokens (static; 0: none) run the layers' projections on the
-      ``cpu_dense`` kernel from ``params["dense_packed"]`` (``model/dense_pack.py``; unrolled layers only).
+    dense_max_rows: steps of at most this many tokens (static; 0: none) run the layers' projections and the output
+      head on the ``cpu_dense`` kernel from ``params["dense_packed"]`` (``model/dense_pack.py``; unrolled layers
+      only; the kernel gives ``[R, V]``, so such steps are best asked for ``logits_layout="rows"``).
   Returns:
     ``(logits float32 in logits_layout, kv_cache with this step's K/V written)``.
   """
@@ -181,7 +182,10 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
   x = rms_norm(x[batch.logits_indices], params["final_norm"], cfg.rms_norm_eps)   # [R, H]
   # Output weight: embed [V, H] (tied) or lm_head [H, V]; h_axis is its hidden axis, contracted with x's.
   w_out, h_axis = (params["embed"], 1) if cfg.tie_word_embeddings else (params["lm_head"], 0)
-  if logits_layout == "vocab":   # [V, R]: the weight is the dot's left operand
+  if packed is not None:         # the kernel's packed copy of it: [R, V]
+    logits = dense_pack.head_logits(packed, cfg, x)
+    logits = logits.T if logits_layout == "vocab" else logits
+  elif logits_layout == "vocab":   # [V, R]: the weight is the dot's left operand
     dims = (((h_axis,), (1,)), ((), ()))
     logits = jax.lax.dot_general(w_out, x, dims, preferred_element_type=jnp.float32)
   else:                          # [R, V]
