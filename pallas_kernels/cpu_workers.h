@@ -101,6 +101,7 @@ class Workers {
       uint64_t gen = state_.load() >> kGenShift;
       for (int64_t i = 0; gen == seen; ++i) {
         SUPERINFER_PAUSE();
+        if ((i & 15) == 15) std::this_thread::yield();  // a runnable thread on this core (XLA's pool) goes first
         if ((i & 255) == 255 &&
             std::chrono::steady_clock::now() - start > std::chrono::microseconds(kSpinMicros)) {
           std::unique_lock<std::mutex> lock(mu_);

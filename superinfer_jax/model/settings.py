@@ -19,11 +19,11 @@ class ModelSettings:
   attention: str = knob("auto", "attention backend (auto: pallas on a GPU, cpu_kernel on a CPU where it "
                         "builds, else reference)", choices=attention_backend_names)
   dtype: str = knob("float32", "weights / KV cache dtype", choices=DTYPE_NAMES)
-  dense: str = knob("auto", "dense projections of small steps: cpu_kernel (the C++ kernel over packed weights, "
-                    "for steps of at most --dense_max_rows tokens; XLA:CPU, float32 dense models, unrolled "
-                    "layers; keeps a second copy of the projection weights), xla, or auto (cpu_kernel where "
-                    "it applies and builds, else xla)", choices=DENSE_BACKENDS)
-  dense_max_rows: int = knob(32, "largest token bucket whose projections run on the cpu_dense kernel")
+  dense: str = knob("auto", "dense projections and output head of small steps: cpu_kernel (the C++ kernel over "
+                    "packed weights, for steps of at most --dense_max_rows tokens; XLA:CPU, float32 dense "
+                    "models, unrolled layers; keeps a second copy of those weights), xla, or auto (cpu_kernel "
+                    "where it applies and builds, else xla)", choices=DENSE_BACKENDS)
+  dense_max_rows: int = knob(64, "largest token bucket whose projections and head run on the cpu_dense kernel")
   max_model_len: Optional[int] = knob(None, "most tokens per request (unset: the model's max positions)",
                                       none_as=0)
 
