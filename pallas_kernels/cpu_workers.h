@@ -24,6 +24,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define SUPERINFER_PAUSE() _mm_pause()
@@ -48,7 +50,8 @@ class Workers {
 
   // Runs `job` on the calling thread and on up to `helpers` workers; returns once every runner has returned.
   void Run(const std::function<void()>& job, int64_t helpers) {
-    if (helpers <= 0 || threads_.empty() || !busy_.try_lock()) {
+    // A forked child has none of the workers (and maybe a mutex locked at the fork): it runs alone.
+    if (helpers <= 0 || threads_.empty() || getpid() != pid_ || !busy_.try_lock()) {
       job();
       return;
     }
@@ -72,7 +75,7 @@ class Workers {
   static constexpr uint64_t kOpen = uint64_t{1} << 16;
   static constexpr uint64_t kActiveMask = kOpen - 1;
 
-  explicit Workers(int64_t n) {
+  explicit Workers(int64_t n) : pid_(getpid()) {
     for (int64_t i = 0; i < n; ++i) {
       threads_.emplace_back([this, i] { Loop(i); });
       threads_.back().detach();
@@ -116,6 +119,7 @@ class Workers {
     }
   }
 
+  const pid_t pid_;                       // the process that started the workers
   std::vector<std::thread> threads_;
   std::mutex busy_;                       // held by the caller of Run while its job is published
   std::atomic<uint64_t> state_{0};        // generation << 17 | OPEN << 16 | active runners

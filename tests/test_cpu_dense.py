@@ -79,6 +79,33 @@ def _tiny_cfg_params():
   return cfg, random_params(cfg, seed=3)
 
 
+def test_concurrent_calls_share_the_workers_safely():
+  # Two Python threads calling the kernel at once: one call holds the library's workers (cpu_workers.h), the
+  # other runs alone on its calling thread; every result must still be the full product.
+  import threading
+  rng = np.random.default_rng(11)
+  w = rng.standard_normal((96, 160)).astype(np.float32)
+  packed = jnp.asarray(cd.pack(w))
+  f = jax.jit(cd.cpu_dense)
+  xs = [rng.standard_normal((m, 96)).astype(np.float32) for m in (1, 5, 16, 31)]
+  refs = [x.astype(np.float64) @ w.astype(np.float64) for x in xs]
+  errors = []
+
+  def worker(seed):
+    order = np.random.default_rng(seed).permutation(40) % len(xs)
+    for i in order:
+      y = np.asarray(f(jnp.asarray(xs[i]), packed))
+      if y.shape != refs[i].shape or _rel_err(y, refs[i]) > 1e-5:
+        errors.append((seed, int(i)))
+
+  threads = [threading.Thread(target=worker, args=(s,)) for s in range(3)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert errors == []
+
+
 def test_packed_model_buffer_matches_fused_weights():
   from superinfer_jax.model import dense_pack, fused
   cfg, params = _tiny_cfg_params()
