@@ -10,9 +10,10 @@
 //
 // Why: at decode (a few rows) a step's dense layers are bound by streaming the weights from memory. XLA's dots,
 // like torch's, ran at ~12 GB/s at 16 rows, against the ~28 GB/s a 1-row pass reaches (WORKSPACE_NOTES,
-// 2026-12-04). Here each thread streams its panels once, contiguously, two adjacent panels at a time: per k, one
-// 64-byte row of each, used by up to 14 rows of x (28 accumulator registers, each row's x[m, k] broadcast), so the
-// weights are read from memory once per call whatever M is (rows beyond 14 re-read the panels from L1/L2).
+// 2026-12-04). Here each thread streams its panels once, contiguously, two or three adjacent panels at a time: per
+// k, one 64-byte row of each, used by up to 8 or 14 rows of x (24 or 28 accumulator registers, each row's x[m, k]
+// broadcast), so the weights are read from memory once per call whatever M is (further rows re-read the panels
+// from L1/L2).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -39,10 +40,11 @@ constexpr int64_t kLanes = 16;
 // one row 22 against 28-30 GB/s (WORKSPACE_NOTES 2026-12-04, /tmp harness).
 constexpr int64_t kPrefetchL1 = 32;
 constexpr int64_t kPrefetchL2 = 256;
-// A tile is up to kRows rows of x against kPanels adjacent panels: kRows x kPanels accumulator registers (28 of the
-// 32 zmm), each k loading kPanels weight vectors and kRows broadcasts of x for kRows x kPanels fused multiply-adds.
-constexpr int kRows = 14;
-constexpr int kPanels = 2;
+// A tile is up to MR rows of x against NP adjacent panels: MR x NP accumulator registers, each k loading NP
+// weight vectors and MR broadcasts of x for MR x NP fused multiply-adds. Two shapes, by the call's rows (C++
+// harness, the 30 SmolLM2 layers streamed from memory on 2 cores): 8 x 3 for up to 24 rows (16 rows: 19.0-19.2 ms
+// against 20.5 for 14 x 2; 1 row 13.1 against 13.7), 14 x 2 above (64 rows: 45.3 against 48.1).
+constexpr int64_t kFewRows = 24;
 
 // Rows m0..m0+MR-1 of x (transposed: xt[k * M + m]) against panels p..p+NP-1 (`panel` points at panel p; panel
 // p + j starts K * 16 floats later): MR x 16 NP outputs, written to out[m, n0 ..].
@@ -72,7 +74,7 @@ void Tile(const float* xt, int64_t M, int64_t m0, const float* panel, int64_t K,
   }
 }
 
-// The last `rows` (< kRows) rows: a tile of exactly that many rows.
+// The last `rows` (< MR) rows: a tile of exactly that many rows.
 template <int MR, int NP>
 void TailTile(const float* xt, int64_t M, int64_t m0, const float* panel, int64_t K, float* out, int64_t N,
               int64_t n0, int64_t rows) {
@@ -82,21 +84,25 @@ void TailTile(const float* xt, int64_t M, int64_t m0, const float* panel, int64_
   }
 }
 
-// Every row of x against panels p..p+NP-1.
-template <int NP>
+// Every row of x against panels p..p+NP-1, in tiles of MR rows.
+template <int NP, int MR>
 void Panels(const float* xt, int64_t M, const float* w, int64_t K, float* out, int64_t N, int64_t p) {
   const float* panel = w + p * K * kLanes;
   int64_t m0 = 0;
-  for (; m0 + kRows <= M; m0 += kRows) Tile<kRows, NP>(xt, M, m0, panel, K, out, N, p * kLanes);
-  if (m0 < M) TailTile<kRows - 1, NP>(xt, M, m0, panel, K, out, N, p * kLanes, M - m0);
+  for (; m0 + MR <= M; m0 += MR) Tile<MR, NP>(xt, M, m0, panel, K, out, N, p * kLanes);
+  if (m0 < M) TailTile<MR - 1, NP>(xt, M, m0, panel, K, out, N, p * kLanes, M - m0);
 }
 
-// Panels p0..p1-1, kPanels at a time (one left over runs alone).
+// Panels p0..p1-1: three (up to kFewRows rows) or two at a time; one left over at a time.
 void PanelRange(const float* xt, int64_t M, const float* w, int64_t K, float* out, int64_t N, int64_t p0,
                 int64_t p1) {
   int64_t p = p0;
-  for (; p + kPanels <= p1; p += kPanels) Panels<kPanels>(xt, M, w, K, out, N, p);
-  for (; p < p1; ++p) Panels<1>(xt, M, w, K, out, N, p);
+  if (M <= kFewRows) {
+    for (; p + 3 <= p1; p += 3) Panels<3, 8>(xt, M, w, K, out, N, p);
+  } else {
+    for (; p + 2 <= p1; p += 2) Panels<2, 14>(xt, M, w, K, out, N, p);
+  }
+  for (; p < p1; ++p) Panels<1, 14>(xt, M, w, K, out, N, p);
 }
 
 ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, int64_t offset,
@@ -129,7 +135,7 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
   // against its work and each thread streams long contiguous runs (at one row, 64 KiB chunks ran at 25 GB/s,
   // 256 KiB at 28-30).
   const int64_t per_chunk = std::max<int64_t>(1, (256 * 1024) / (K * kLanes * int64_t(sizeof(float))));
-  const int64_t chunk = (per_chunk + kPanels - 1) / kPanels * kPanels;
+  const int64_t chunk = (per_chunk + 5) / 6 * 6;  // whole tiles of 2 or 3 panels
   const int64_t chunks = (P + chunk - 1) / chunk;
   std::atomic<int64_t> next{0};  // the next chunk (work stealing over chunks)
   const std::function<void()> drain = [&] {

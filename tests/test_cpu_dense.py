@@ -16,7 +16,7 @@ def _rel_err(y, r):
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 64, 16), (3, 7, 32), (16, 576, 960), (17, 40, 48), (33, 96, 64),
-                                   (64, 128, 16), (5, 1, 16), (28, 33, 80)])
+                                   (64, 128, 16), (5, 1, 16), (28, 33, 80), (20, 50, 112)])
 def test_kernel_matches_float64(m, k, n):
   rng = np.random.default_rng(m * 1000 + k + n)
   x = rng.standard_normal((m, k), dtype=np.float32)
