@@ -12,7 +12,7 @@ kernel call reads its own range in place.
 When: ``packable(cfg, dtype)`` — a dense (not MoE) float32 model whose every projection has a multiple of 16
 outputs. The engine's unrolled CPU step keeps its XLA weights too, and ``forward`` uses the kernel for steps of at
 most ``dense_max_rows`` token rows (decode), XLA's dots above (prefill): the 30 SmolLM2 layers' projections plus
-the head took 15.5 / 25.8 / 41.8 / 72.2 ms at 1 / 16 / 32 / 64 rows against XLA's 21.9 / 46.5 / 65.8 / 76.1
+the head took 15.2 / 23.2 / 62.7 ms at 1 / 16 / 64 rows against XLA's 19.5 / 47.2 / 68.9
 (WORKSPACE_NOTES 2026-12-04). The cost is a second copy of the projection and head weights in host memory
 (``packed_bytes(cfg)``; SmolLM2-135M: 538 MB).
 """
