@@ -19,8 +19,6 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #include "cpu_workers.h"

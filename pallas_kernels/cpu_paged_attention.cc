@@ -24,8 +24,6 @@
 #include <cstring>
 #include <functional>
 #include <limits>
-#include <memory>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -94,8 +92,6 @@ inline float Dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// One query token: every query head against keys lo..hi of its sequence, in key order. Each key's K row
-// (all kv heads, contiguous in the cache) is read once and scored against all Hq heads; then the same for V.
 #define SHUF __builtin_shufflevector
 // Dot(q, key j) for 16 keys j = 0..15 (key j at k + j * stride), returned as one vector in key order: each with
 // Dot's own additions in Dot's order (per key, 16 partial sums over d; then lanes 8 + 8, 4 + 4, (0 + 2) + (1 + 3)),
@@ -132,6 +128,8 @@ inline V16 Dot16(const float* q, const float* k, int64_t stride, int64_t D) {
 }
 #undef SHUF
 
+// One query token: every query head against keys lo..hi of its sequence, in key order. Each key's K row
+// (all kv heads, contiguous in the cache) is read once and scored against all Hq heads; then the same for V.
 template <typename EQ, typename E>
 void Attend(const typename EQ::T* q, const typename E::T* cache, int64_t L, int64_t BS, int64_t Hkv, int64_t D,
             int64_t layer, const int32_t* table, int64_t MB, int64_t num_blocks, int64_t pos, int32_t window,
@@ -158,23 +156,28 @@ void Attend(const typename EQ::T* q, const typename E::T* cache, int64_t L, int6
   // Prefetch every K and V row this token reads before using any: the rows sit in a few 2 x BS-row slabs
   // scattered over a large cache (cold after the step's weights streamed through), and asked for one at a
   // time they arrived at ~7 GB/s (a decode step at batch 16: 166 us a layer; WORKSPACE_NOTES 2026-12-04).
-  for (int64_t b = lo / BS; b <= hi / BS; ++b) {
+  // Block b of the table (clipped into the cache: in range by contract, never read outside): its (block, layer,
+  // k|v) slab and the keys k0..k1 of lo..hi inside it.
+  auto slab_of = [&](int64_t b, int kv) {
     int64_t blk = table[b];
     blk = blk < 0 ? 0 : (blk >= num_blocks ? num_blocks - 1 : blk);
-    const int64_t k0 = std::max<int64_t>(lo, b * BS), k1 = std::min<int64_t>(hi, b * BS + BS - 1);
+    return cache + ((blk * L + layer) * 2 + kv) * slab;
+  };
+  auto keys_of = [&](int64_t b) {
+    return std::make_pair(std::max<int64_t>(lo, b * BS), std::min<int64_t>(hi, b * BS + BS - 1));
+  };
+  for (int64_t b = lo / BS; b <= hi / BS; ++b) {
+    const auto [k0, k1] = keys_of(b);
     for (int kv = 0; kv < 2; ++kv) {
-      const char* first = reinterpret_cast<const char*>(cache + ((blk * L + layer) * 2 + kv) * slab +
-                                                        (k0 - b * BS) * row_len);
+      const char* first = reinterpret_cast<const char*>(slab_of(b, kv) + (k0 - b * BS) * row_len);
       const int64_t bytes = (k1 - k0 + 1) * row_len * static_cast<int64_t>(sizeof(T));
       for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(first + off);
     }
   }
   for (int kv = 0; kv < 2; ++kv) {
     for (int64_t b = lo / BS; b <= hi / BS; ++b) {
-      int64_t blk = table[b];
-      blk = blk < 0 ? 0 : (blk >= num_blocks ? num_blocks - 1 : blk);  // in range by contract; never read outside
-      const T* base = cache + ((blk * L + layer) * 2 + kv) * slab;
-      const int64_t k0 = std::max<int64_t>(lo, b * BS), k1 = std::min<int64_t>(hi, b * BS + BS - 1);
+      const T* base = slab_of(b, kv);
+      const auto [k0, k1] = keys_of(b);
       int64_t k = k0;
       if constexpr (sizeof(T) == sizeof(float)) {  // scores of 16 keys at a time (float32 cache, D % 16 == 0)
         if (kv == 0 && D % 16 == 0) {

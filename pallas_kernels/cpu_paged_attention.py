@@ -86,8 +86,8 @@ def library_path() -> Path:
   """Where the built library lives for this source, compiler, jaxlib and CPU (may not exist yet)."""
   import jaxlib  # pylint: disable=import-outside-toplevel
   h = hashlib.sha256()
-  for part in (*(src.read_bytes() for src in (*SOURCES, *HEADERS)), " ".join(FLAGS).encode(), str(_compiler()).encode(),
-               jaxlib.__version__.encode(), _cpu_id().encode()):
+  for part in (*(src.read_bytes() for src in (*SOURCES, *HEADERS)), " ".join(FLAGS).encode(),
+               str(_compiler()).encode(), jaxlib.__version__.encode(), _cpu_id().encode()):
     h.update(part)
     h.update(b"\0")
   return _cache_dir() / f"libsuperinfer_cpu-{h.hexdigest()[:16]}.so"

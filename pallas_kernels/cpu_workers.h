@@ -46,8 +46,6 @@ class Workers {
     return *workers;
   }
 
-  int64_t size() const { return static_cast<int64_t>(threads_.size()); }
-
   // Runs `job` on the calling thread and on up to `helpers` workers; returns once every runner has returned.
   void Run(const std::function<void()>& job, int64_t helpers) {
     // A forked child has none of the workers (and maybe a mutex locked at the fork): it runs alone.

@@ -285,7 +285,7 @@ def _step_fn(params, kv_cache, packed, prev_tokens, *, dims, cfg, attention, log
   batch = batch._replace(token_ids=packing.feed_tokens(batch.token_ids, feed, prev_tokens))
   rows = batch.logits_indices.shape[0]
   # The cpu_dense head gives [rows, vocab]: its steps keep that layout.
-  on_kernel = batch.token_ids.shape[0] <= dense_max_rows
+  on_kernel = dense_pack.on_kernel(batch.token_ids.shape[0], dense_max_rows)
   logits_layout = "vocab" if 0 < vocab_major_min_rows <= rows and not on_kernel else "rows"
   logits, kv_cache = forward(params, kv_cache, batch, cfg, attention, logits_layout=logits_layout,
                              dense_max_rows=dense_max_rows)

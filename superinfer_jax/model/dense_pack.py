@@ -38,6 +38,11 @@ def packable(cfg: ModelConfig, dtype: str = "float32") -> bool:
           and all(n % LANES == 0 and n > 0 and k > 0 for k, n in shapes(cfg).values()))
 
 
+def on_kernel(tokens: int, dense_max_rows: int) -> bool:
+  """Whether a step of ``tokens`` token rows (its static bucket) runs its projections and head on the kernel."""
+  return 0 < tokens <= dense_max_rows
+
+
 def head_panels(cfg: ModelConfig) -> int:
   """Panels of the packed output head: the vocabulary rounded up to a multiple of 16 columns, over 16."""
   return -(-cfg.vocab_size // LANES)

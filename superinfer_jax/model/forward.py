@@ -155,7 +155,7 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
   else:   # a scan computes them once anyway; on a GPU a conditional would read its predicate on the host
     cos, sin = rope_cos_sin(cfg, batch)
   windows = cfg.layer_windows()
-  packed = params.get("dense_packed") if 0 < T <= dense_max_rows else None
+  packed = params.get("dense_packed") if dense_pack.on_kernel(T, dense_max_rows) else None
 
   def layer_body(carry, xs):
     x, kv = carry
