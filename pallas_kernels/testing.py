@@ -71,3 +71,30 @@ def to_jax_paged_layout(kv_cache, layer: int):
   k = jnp.transpose(kv_cache[:, layer, 0], (2, 0, 1, 3))
   v = jnp.transpose(kv_cache[:, layer, 1], (2, 0, 1, 3))
   return k, v
+
+
+# Unit roundoff of the operands a float32 dot multiplies at each matmul precision: full float32 (24-bit
+# significand), TF32 (11-bit), bfloat16 (8-bit).
+_F32_DOT_ROUNDOFF = {"highest": 2.0 ** -24, "float32": 2.0 ** -24, "tensorfloat32": 2.0 ** -11, "high": 2.0 ** -11,
+                     "bfloat16": 2.0 ** -8, "default": 2.0 ** -8, "fastest": 2.0 ** -8}
+
+
+def float32_dot_roundoff() -> float:
+  """Unit roundoff of a float32 dot as this process runs it: full float32 on a CPU; on a GPU, what
+  ``jax_default_matmul_precision`` asks for (unset: XLA:GPU's default, which may round float32 operands to
+  TF32 on tensor cores, so it counts as ``tensorfloat32``)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if jax.default_backend() == "cpu":
+    return 2.0 ** -24
+  precision = jax.config.jax_default_matmul_precision
+  return _F32_DOT_ROUNDOFF.get(str(precision).lower(), 2.0 ** -11) if precision else 2.0 ** -11
+
+
+def tolerance(dtype) -> float:
+  """Absolute and relative tolerance for an attention / model output in ``dtype`` against the float32 jnp
+  reference: bfloat16 outputs carry their own rounding (2e-2); float32 ones 300 times the dot's roundoff
+  (``float32_dot_roundoff``: the soft-max and its sums grow it), at least 2e-5: 2e-5 at full float32, ~1.5e-1 for
+  bfloat16 dots, ~1.5e-3 for TF32 (a GPU at default precision)."""
+  if jnp.dtype(dtype) == jnp.bfloat16:
+    return 2e-2
+  return max(2e-5, 300.0 * float32_dot_roundoff())

@@ -44,8 +44,7 @@ flags.DEFINE_integer("head_dim", None, "Head dim (default: GPU 128; CPU 64).")
 flags.DEFINE_integer("block_size", 16, "Tokens per cache block.")
 flags.DEFINE_string("dtype", None, "bfloat16 | float32 (default: GPU bfloat16; CPU float32).")
 flags.DEFINE_integer("num_layers", 1, "Layers in the cache (one is read).")
-flags.DEFINE_list("impls", ["pallas", "reference", "jax_paged"], "Implementations to time (also: cpu_kernel, the "
-                  "C++ custom call, on CPU; added by default there).")
+flags.DEFINE_list("impls", ["pallas", "reference", "jax_paged"], "Implementations to time.")
 flags.DEFINE_float("min_time_s", None, "Time each case for at least this long (default: GPU 0.2; CPU 0).")
 flags.DEFINE_integer("max_iters", None, "At most this many timed calls per case (default: GPU 200; CPU 1).")
 flags.DEFINE_integer("num_splits", None, "Override the kernel's split-K factor (default: auto).")
@@ -130,12 +129,6 @@ def time_fn(fn, args, min_time_s, max_iters):
   return total / n, out
 
 
-def _cpu_kernel_fn():
-  """The C++ CPU kernel (imported here: the module is only needed when it is timed)."""
-  from pallas_kernels.cpu_paged_attention import cpu_paged_attention  # pylint: disable=import-outside-toplevel
-  return cpu_paged_attention
-
-
 def build_impls(names, *, scale, interpret, layer, kernel_kw):
   """name -> (jitted fn, args builder(q, kv, bt, ctx) -> args). Args built outside the timed region."""
   impls = {}
@@ -147,13 +140,6 @@ def build_impls(names, *, scale, interpret, layer, kernel_kw):
       qsl = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
       return ragged_paged_attention_reference(q, kv, layer, bt, ctx, qsl, scale=scale)
     impls["reference"] = (jax.jit(ref), lambda q, kv, bt, ctx: (q, kv, bt, ctx))
-  if "cpu_kernel" in names:   # the C++ custom call (XLA:CPU only)
-    cpu_paged_attention = _cpu_kernel_fn()
-
-    def cpu_kernel(q, kv, bt, ctx):
-      qsl = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
-      return cpu_paged_attention(q, kv, layer, bt, ctx, qsl, scale=scale)
-    impls["cpu_kernel"] = (jax.jit(cpu_kernel), lambda q, kv, bt, ctx: (q, kv, bt, ctx))
   if "jax_paged" in names:
     try:
       with warnings.catch_warnings():
@@ -219,10 +205,6 @@ def main(argv):
   print(f"device: {platform} ({kind}); jax {jax.__version__}; interpret={interpret}; "
         f"peak={peak / 1e9 if peak else None} GB/s; heads {hq}/{hkv} d {d} bs {bs} {dtype.name}")
   names = list(FLAGS.impls)
-  if not on_gpu and "cpu_kernel" not in names and not FLAGS["impls"].present:
-    from pallas_kernels.cpu_paged_attention import build_error  # pylint: disable=import-outside-toplevel
-    if build_error() is None:
-      names.append("cpu_kernel")   # on CPU the default list also times the C++ kernel
   impls = build_impls(names, scale=scale, interpret=interpret, layer=layer, kernel_kw=kernel_kw)
   key = jax.random.PRNGKey(FLAGS.seed)
   results = []
@@ -284,7 +266,6 @@ def main(argv):
         qm = jax.random.normal(sub, (batch - 1 + chunk, hq, d), jnp.float32).astype(dtype)
         kv_bytes = batch * context * hkv * d * 2 * itemsize
         fns = {"reference": jax.jit(functools.partial(ragged_paged_attention_reference, scale=scale)),
-               "cpu_kernel": jax.jit(functools.partial(_cpu_kernel_fn(), scale=scale)),
                "pallas": jax.jit(functools.partial(rpa.ragged_paged_attention, scale=scale, interpret=interpret,
                                                    **kernel_kw))}
         outs = {}

@@ -5,8 +5,8 @@ For each batch size B: B requests with the same prompt length run greedily for -
 and the pipelined loop it replaces, side by side) and once with transformers. Reported per (impl, B):
   * engine: decode tokens/s (steps after every request has its first token), mean decode-step ms, total
     tokens/s (prefill included), host share of step time, host ms per step by phase (schedule, issue,
-    dispatch, process, exposed_host: wall time; dispatch_cpu: the host thread's CPU time in dispatch, which
-    on a CPU backend excludes waiting for a core the device's compute threads hold) over the whole run
+    dispatch, process, exposed_host: wall time; dispatch_cpu: the host thread's CPU time in dispatch) over the
+    whole run
     and over the decode steps only (decode_host_ms_per_step), and the device's idle time per decode step, measured from real
     timestamps by ``engine/idle_probe.py``: idle_k = max(0, [step k+1's dispatch returned] - [step k's
     outputs became ready, seen by a watcher thread blocked in block_until_ready, or the host's own read of
@@ -16,30 +16,21 @@ and the pipelined loop it replaces, side by side) and once with transformers. Re
   * torch: transformers ``generate`` (greedy, ``min_new_tokens = max_new_tokens``) on the same GGUF weights,
     total new tokens/s (prefill included) — its decode-only rate is estimated by subtracting a 1-token run;
     one row per ``--torch_threads`` value (``torch.set_num_threads``; 0: every core the process may run on, as
-    many as XLA's CPU pool uses; the default ``0,1`` times both, since on a busy box one thread was the faster:
-    OpenMP's spinning threads lose their cores, 2026-12-01), each with ``torch_threads``. ``speedup_vs_torch_decode`` is
-    the engine's decode rate over the *fastest* transformers row of that batch (``torch_threads_best`` says
-    which), and ``speedup_vs_torch_by_threads`` gives it against each. Until 2026-12-04 the notes' runs
-    passed ``--torch_threads=1`` and so compared a two-core engine with a one-core transformers: on a quiet
-    2-vCPU box transformers at batch 16 ran 1.85x faster on two threads (WORKSPACE_NOTES 2026-12-04).
+    many as XLA's CPU pool uses; the default ``0,1`` times both), each with ``torch_threads``.
+    ``speedup_vs_torch_decode`` is the engine's decode rate over the *fastest* transformers row of that batch
+    (``torch_threads_best`` says which), and ``speedup_vs_torch_by_threads`` gives it against each.
 Each side runs once untimed first (compilation / warm-up); --repeats > 1 interleaves the runs (engine
 loops, torch, engine loops, torch, ...) and reports, per impl, the run with the median decode rate, so a
 burst of load on a shared machine hits all sides alike. Every row carries the 1-minute load average and
 ``machine`` (``util.machine_description()``: CPU model, L2 / L3 sizes; the ratios move with the box).
 Prints one JSON line per (impl, batch).
 
-The engine's thread (the one that builds the engines and runs their steps, and afterwards transformers) runs
-at nice ``--host_thread_nice`` (here -10 by default; ``EngineConfig.host_thread_nice``, 0: leave it): on a
-CPU backend the host shares the cores with XLA's compute threads, and at equal priority its dispatch waited
-out their time slices (batch 64, six runs: wall 0.69-1.88 ms for 0.66-0.89 ms of CPU; at -10, 0.68-1.03 ms
-for 0.67-0.83 ms, 2026-12-01 night). Each engine row reports the value applied (``host_thread_nice``; null: not
-permitted, or 0). It is also real-time (``--host_thread_policy``, here fifo by default;
-``EngineConfig.host_thread_policy``): nice alone still left it waiting on the run queue behind the compute
-threads on this kernel (batch 64, 2026-12-02: 0.25-0.77 ms of run-queue delay per dispatch at nice -10, none
-as SCHED_FIFO; ``/proc/thread-self/schedstat``). Rows report it (``host_thread_policy``; null: not permitted,
-or other). transformers runs in the same thread afterwards, under the same policy and nice value.
+``--random_weights``: ``--model`` names a config (``configs/models/<name>.json``, e.g. ``llama-3-8b``) and both
+sides run random weights of that shape, in ``--dtype``, transformers on the GPU when there is one (weights need
+not match for a speed comparison; nothing is downloaded or read from disk).
 
   python scripts/bench_engine.py --batch_sizes=1,16,64 --prompt_len=32 --max_tokens=64 --num_device_blocks=512
+  python scripts/bench_engine.py --model=llama-3-8b --random_weights --dtype=bfloat16 --batch_sizes=1,32,64
 """
 import dataclasses
 import json
@@ -66,12 +57,10 @@ flags.DEFINE_list("loops", ["zero_bubble", "pipelined"], "engine step loops to r
 flags.DEFINE_integer("repeats", 1, "interleaved runs per (impl, batch); the median-rate run is reported")
 flags.DEFINE_float("switch_interval_s", 1e-4, "sys.setswitchinterval while the engine runs (idle probe)")
 flags.DEFINE_bool("torch", True, "also run transformers generate on the same weights")
+flags.DEFINE_bool("random_weights", False, "--model is a config name; both sides run random weights of its shape")
 flags.DEFINE_list("torch_threads", ["0", "1"], "torch.set_num_threads for each transformers run (0: every core "
                   "this process may use, as XLA's CPU pool does); the engine's speedup is over the fastest")
 define_engine_flags()
-# The host thread outranks XLA's compute threads on a CPU backend (docs/platform.md); 0 leaves it alone.
-flags.FLAGS.set_default("host_thread_nice", -10)
-flags.FLAGS.set_default("host_thread_policy", "fifo")
 FLAGS = flags.FLAGS
 
 
@@ -148,9 +137,7 @@ def bench_engine(engine, batch, prompt_len, max_tokens, warm_up=True):
           "discarded_tokens": st.discarded_tokens,
           "pipeline": c.pipeline, "policy": c.scheduler.policy, "attention": c.model.attention,
           "attention_backend": resolved_attention_name(c.model.attention),
-          "dense_backend": engine.dense_backend, "dense_max_rows": c.model.dense_max_rows,
-          "token_bucket_floor": c.token_bucket_floor, "host_thread_nice": engine.host_thread_nice,
-          "host_thread_policy": engine.host_thread_policy,
+          "layer_loop": c.layer_loop, "token_bucket_floor": c.token_bucket_floor,
           "loadavg_1m": loadavg_1m()}
 
 
@@ -175,7 +162,7 @@ def torch_thread_counts(values) -> list[int]:
 def bench_torch(model, batch, prompt_len, max_tokens, vocab, threads, warm_up=True):
   import torch  # pylint: disable=import-outside-toplevel
   torch.set_num_threads(threads)
-  ids = torch.tensor(_prompts(batch, prompt_len, vocab))
+  ids = torch.tensor(_prompts(batch, prompt_len, vocab), device=model.device)
   mask = torch.ones_like(ids)
 
   def run(n):
@@ -211,6 +198,36 @@ def _load_torch_model(path):
   return model.eval()
 
 
+def _torch_model_like(cfg, dtype: str):
+  """A random-weight transformers Llama-family model of ``cfg``'s shape in ``dtype``, built on the GPU if any."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  hf = transformers.LlamaConfig(
+      vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+      num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+      head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta,
+      rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings)
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  with torch.device(device):
+    model = transformers.LlamaForCausalLM._from_config(hf, torch_dtype=getattr(torch, dtype))  # pylint: disable=protected-access
+  return model.eval()
+
+
+def _models(config):
+  """``(engine model (cfg, params), transformers model or None)`` for the flags."""
+  if FLAGS.random_weights:
+    import jax  # pylint: disable=import-outside-toplevel
+    from superinfer_jax.model import load_config  # pylint: disable=import-outside-toplevel
+    from superinfer_jax.model.params import init_random_params  # pylint: disable=import-outside-toplevel
+    cfg = load_config(FLAGS.model)
+    model = (cfg, jax.jit(lambda k: init_random_params(cfg, k, dtype=config.model.dtype))(jax.random.key(0)))
+    return model, _torch_model_like(cfg, config.model.dtype) if FLAGS.torch else None
+  from superinfer_jax.model import load_model  # pylint: disable=import-outside-toplevel
+  from superinfer_jax.model.api import resolve_model_path  # pylint: disable=import-outside-toplevel
+  model = load_model(FLAGS.model, dtype=config.model.dtype)
+  return model, _load_torch_model(resolve_model_path(FLAGS.model)) if FLAGS.torch else None
+
+
 def _rounded(x):
   if isinstance(x, float):
     return round(x, 4)
@@ -241,8 +258,6 @@ def add_torch_speedups(engine_rows, torch_rows) -> None:
 def main(argv):
   del argv
   from superinfer_jax.engine.engine import LLMEngine  # pylint: disable=import-outside-toplevel
-  from superinfer_jax.model import load_model  # pylint: disable=import-outside-toplevel
-  from superinfer_jax.model.api import resolve_model_path  # pylint: disable=import-outside-toplevel
   config = engine_config_from_flags()
   unknown = [l for l in FLAGS.loops if l not in LOOPS]
   if unknown or not FLAGS.loops:
@@ -250,12 +265,9 @@ def main(argv):
   if FLAGS.repeats < 1:
     raise app.UsageError("--repeats must be >= 1")
   torch_threads = torch_thread_counts(FLAGS.torch_threads) if FLAGS.torch else []
-  model = load_model(FLAGS.model, dtype=config.model.dtype)     # one copy of the weights for every loop
+  model, tmodel = _models(config)     # one copy of the weights for every loop
   engines = {loop: LLMEngine(model, config.replace(**LOOPS[loop])) for loop in FLAGS.loops}
   batches = [int(b) for b in FLAGS.batch_sizes]
-  tmodel = None
-  if FLAGS.torch:
-    tmodel = _load_torch_model(resolve_model_path(FLAGS.model))
   freeze_heap()   # weights, tokenizer, imports and engines live as long as this process (util.freeze_heap)
   vocab = model[0].vocab_size
   machine = machine_description()

@@ -37,47 +37,6 @@ def progress_bar(total: int, desc: str, enabled: bool = True, unit: str = "req")
   return tqdm(total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True)
 
 
-def set_thread_nice(nice: int) -> bool:
-  """Sets the calling thread's nice value (Linux; -20 highest priority .. 19 lowest); True if it took effect.
-
-  Only the calling thread changes (``setpriority`` on its thread id); threads it creates later inherit the
-  value. Lowering it below its current value needs ``CAP_SYS_NICE``: without it, or off Linux, nothing
-  changes and the result is False.
-  """
-  if not -20 <= nice <= 19:
-    raise ValueError(f"nice must be in [-20, 19], got {nice}")
-  if not hasattr(os, "setpriority"):
-    return False
-  tid = threading.get_native_id()
-  try:
-    os.setpriority(os.PRIO_PROCESS, tid, nice)
-  except (PermissionError, OSError):
-    return False
-  return os.getpriority(os.PRIO_PROCESS, tid) == nice
-
-
-def set_thread_realtime(priority: int = 1) -> bool:
-  """Makes the calling thread real-time: ``SCHED_FIFO`` at ``priority`` (Linux; 1 is the lowest real-time
-  priority), with ``SCHED_RESET_ON_FORK`` so that threads it starts later are normal ones. True if it took effect.
-
-  A real-time thread runs whenever it is runnable, ahead of every normal (``SCHED_OTHER``) thread, and keeps
-  the core until it blocks; the kernel's real-time throttling (``sched_rt_runtime_us``, 95% by default) still
-  leaves the others a share. Needs ``CAP_SYS_NICE`` (or an ``RLIMIT_RTPRIO``); without it, or off Linux,
-  nothing changes and the result is False.
-  """
-  if not hasattr(os, "sched_setscheduler") or not hasattr(os, "SCHED_FIFO"):
-    return False
-  lo, hi = os.sched_get_priority_min(os.SCHED_FIFO), os.sched_get_priority_max(os.SCHED_FIFO)
-  if isinstance(priority, bool) or not isinstance(priority, int) or not lo <= priority <= hi:
-    raise ValueError(f"priority must be an int in [{lo}, {hi}], got {priority!r}")
-  reset = getattr(os, "SCHED_RESET_ON_FORK", 0)
-  try:
-    os.sched_setscheduler(0, os.SCHED_FIFO | reset, os.sched_param(priority))   # 0: the calling thread
-  except (PermissionError, OSError):
-    return False
-  return os.sched_getscheduler(0) & ~reset == os.SCHED_FIFO
-
-
 def _parse_cache_size(text: str) -> int | None:
   """A sysfs cache ``size`` (``"1024K"``, ``"2M"``, ``"512"``: bytes) in KiB; None if unreadable."""
   text = text.strip().upper()

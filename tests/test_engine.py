@@ -14,6 +14,8 @@ from superinfer_jax.engine.config import EngineConfig, SamplingParams
 from superinfer_jax.engine.engine import LLMEngine, RequestError
 from test_engine_utils import FakeScheduler, random_params, tiny_config
 
+pytestmark = pytest.mark.gpu   # numerics / kernels / transfers that depend on the accelerator
+
 BS = 4
 MAX_POS = 128
 
@@ -91,7 +93,7 @@ def test_pipelined_equals_sync_and_drops_finished(model, zero_bubble):
   sync = _engine(model, pipeline=False, clock=StepClock())
   a = sync.generate(prompts, params)
   eng = _engine(model, pipeline=True, zero_bubble=zero_bubble, clock=StepClock())
-  eng._host_batch.verify = True   # pylint: disable=protected-access
+  eng.loop.host_batch.verify = True   # pylint: disable=protected-access
   b = eng.generate(prompts, params)
   assert [o.token_ids for o in a] == [o.token_ids for o in b]
   assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
@@ -245,25 +247,14 @@ def test_no_implicit_transfers_in_step_loop(model):
   prompts = _prompts(5, seed=11)
   sp = [GREEDY, SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=3, ignore_eos=True)] * 3
   # Warm up (compile) outside the guard, then run a fresh engine under it; each of the three loops.
+  # The early read-back of the sampled ids (taken on accelerators) is forced on here too.
   for loop in (dict(zero_bubble=True), dict(zero_bubble=False), dict(pipeline=False)):
     _engine(model, num_device_blocks=16, **loop).generate(prompts, sp[:5])
     eng = _engine(model, num_device_blocks=16, **loop)
+    eng.runner.early_readback = True
     with jax.transfer_guard("disallow"):
       outs = eng.generate(prompts, sp[:5])
     assert all(len(o.token_ids) == 10 for o in outs)
-
-
-def test_transfer_guard_check_follows_jax_setting():
-  # The step's numpy buffer skips the guard context only where jax allows host->device transfers silently.
-  from superinfer_jax.engine.engine import _host_to_device_allowed
-  assert _host_to_device_allowed()
-  with jax.transfer_guard("disallow"):
-    assert not _host_to_device_allowed()
-  with jax.transfer_guard_host_to_device("log"):
-    assert not _host_to_device_allowed()
-  with jax.transfer_guard_host_to_device("allow"):
-    assert _host_to_device_allowed()
-  assert _host_to_device_allowed()
 
 
 def test_bounded_compilations(model):
@@ -293,7 +284,7 @@ def test_pipeline_plans_next_step_while_one_is_in_flight(model):
     orig = eng.scheduler.schedule
 
     def spy(lookahead=False, _orig=orig, _eng=eng, _seen=seen):
-      _seen.append((lookahead, _eng._inflight is not None))   # pylint: disable=protected-access
+      _seen.append((lookahead, _eng.loop.inflight is not None))
       return _orig(lookahead=lookahead)
 
     eng.scheduler.schedule = spy
@@ -377,7 +368,7 @@ def test_release_waits_for_the_step_in_flight(model):
   while final is None:
     final = next((o for o in eng.step() if o.request_id == rid and o.finished), None)
   assert final.finish_reason == "stop" and len(final.token_ids) == 1
-  assert rid in eng._inflight.scheduled       # pylint: disable=protected-access
+  assert rid in eng.loop.inflight.scheduled
   eng.release(rid)
   assert eng.get_request(rid).finish_reason == "stop"   # still known: the step in flight names it
   eng.step()
@@ -387,76 +378,3 @@ def test_release_waits_for_the_step_in_flight(model):
     eng.step()
   assert len(eng.get_request(other).token_ids) == 6
   assert eng.stats.discarded_tokens == 1
-
-
-def _in_thread(fn):
-  """Runs ``fn()`` in a fresh thread (a nice value set there leaves pytest's thread alone); its result."""
-  import threading
-  out = {}
-
-  def run():
-    try:
-      out["value"] = fn()
-    except BaseException as e:  # noqa: BLE001  (re-raised below, in the test's thread)
-      out["error"] = e
-
-  t = threading.Thread(target=run)
-  t.start()
-  t.join()
-  if "error" in out:
-    raise out["error"]
-  return out["value"]
-
-
-def test_host_thread_policy_fifo_applies_to_the_building_thread_only(model, caplog):
-  """``host_thread_policy="fifo"``: the thread that builds the engine becomes SCHED_FIFO (where permitted:
-  CAP_SYS_NICE; else a warning and no change), a thread it starts afterwards is a normal one (reset on
-  fork), the engine still generates, and pytest's thread keeps its policy; "other" leaves the thread alone."""
-  import os
-  import threading
-  from superinfer_jax.util import set_thread_realtime
-
-  def build(policy):
-    eng = _engine(model, host_thread_policy=policy)
-    mine = os.sched_getscheduler(0)
-    child = {}
-    t = threading.Thread(target=lambda: child.setdefault("policy", os.sched_getscheduler(0)))
-    t.start()
-    t.join()
-    out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
-    return eng.host_thread_policy, mine, child["policy"], len(out[0].token_ids)
-
-  main_policy = os.sched_getscheduler(0)
-  reset = getattr(os, "SCHED_RESET_ON_FORK", 0)
-  with caplog.at_level("WARNING"):
-    applied, mine, child, n = _in_thread(lambda: build("fifo"))
-  assert n == 3
-  if applied == "fifo":
-    assert mine & ~reset == os.SCHED_FIFO and child == os.SCHED_OTHER
-  else:   # not permitted here: said so, and nothing changed
-    assert applied is None and mine == main_policy and "could not make the host thread real-time" in caplog.text
-  assert _in_thread(lambda: build("other"))[:2] == (None, main_policy)
-  assert os.sched_getscheduler(0) == main_policy   # pytest's thread untouched
-  with pytest.raises(ValueError, match="priority"):
-    set_thread_realtime(0)
-
-
-def test_host_thread_nice_applies_to_the_building_thread_only(model):
-  import os
-  import threading
-  from superinfer_jax.util import set_thread_nice
-
-  def build(nice):
-    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    eng = _engine(model, host_thread_nice=nice)
-    return before, eng.host_thread_nice, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-  main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-  target = min(main_nice + 2, 19)  # raising a thread's nice value needs no privilege
-  before, applied, after = _in_thread(lambda: build(target))
-  assert before == main_nice and applied == target and after == target
-  assert _in_thread(lambda: build(0))[1:] == (None, main_nice)  # 0 leaves the thread as it is
-  assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_nice  # pytest's thread untouched
-  assert _in_thread(lambda: set_thread_nice(target)) is True
-  with pytest.raises(ValueError, match="nice"):
-    set_thread_nice(25)

@@ -88,9 +88,7 @@ def test_flags_reject_unknown_policy():
     (dict(ttft_slo=0.0), "SLO"), (dict(alpha=float("nan")), "alpha"), (dict(dtype="int8"), "dtype"),
     (dict(transfer_mode="fast"), "transfer_mode"), (dict(attention="flash"), "attention"),
     (dict(min_residency=-1), "min_residency"), (dict(rotation_max_bucket=12), "power of two"),
-    (dict(kv_layout="diagonal"), "kv_layout"), (dict(host_thread_nice=20), "host_thread_nice"),
-    (dict(host_thread_nice=-21), "host_thread_nice"), (dict(host_thread_nice=True), "host_thread_nice"),
-    (dict(host_thread_policy="rr"), "host_thread_policy"),
+    (dict(kv_layout="diagonal"), "kv_layout"), (dict(layer_loop="auto"), "layer_loop"),
 ])
 def test_config_validation(kw, field):
   with pytest.raises(ValueError, match=field):

@@ -14,6 +14,8 @@ from superinfer_jax.engine.engine import LLMEngine
 from superinfer_jax.sched.policies import POLICIES
 from test_engine_utils import TickClock, random_params, tiny_config
 
+pytestmark = pytest.mark.gpu   # numerics / kernels / transfers that depend on the accelerator
+
 BS = 4
 MAX_POS = 128
 ROTATING = ("fcfs_swap", "wf", "sf", "rotasched", "rotasched_strict", "rotasched_code", "edf")
@@ -68,7 +70,7 @@ def test_memory_pressure_token_identical(model, reference, policy, loop):
   against a full rebuild at every step."""
   prompts, ref = reference
   eng = _engine(model, policy=policy, num_device_blocks=18, **LOOPS[loop])
-  eng._host_batch.verify = True   # pylint: disable=protected-access
+  eng.loop.host_batch.verify = True   # pylint: disable=protected-access
   ids = [eng.add_request(p, SP) for p in prompts]
   while eng.has_unfinished():
     eng.step()

@@ -42,7 +42,7 @@ def reference(smol):
 def test_smollm2_memory_pressure_token_identical(smol, reference, policy, zero_bubble):
   loop = dict(pipeline=True, zero_bubble=True) if zero_bubble else dict(pipeline=False)
   eng = _engine(smol, policy=policy, num_device_blocks=6, **loop)   # ~2 of the 5 requests fit at a time
-  eng._host_batch.verify = True   # pylint: disable=protected-access
+  eng.loop.host_batch.verify = True   # pylint: disable=protected-access
   outs = eng.generate(PROMPTS, SP)
   assert [o.token_ids for o in outs] == reference
   if policy != "fcfs":

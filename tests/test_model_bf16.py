@@ -10,6 +10,8 @@ from superinfer_jax.model import build_batch, forward, init_kv_cache
 from superinfer_jax.model.config import ModelConfig
 from superinfer_jax.model.params import init_random_params
 
+pytestmark = pytest.mark.gpu   # numerics / kernels / transfers that depend on the accelerator
+
 
 def _cfg(family):
   kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,

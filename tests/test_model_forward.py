@@ -62,22 +62,18 @@ def test_step_lowers_for_cuda_with_donated_cache(dtype):
   assert "tf.aliasing_output" in text or "jax.buffer_donor" in text   # kv_cache is donated
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_vocab_major_logits_are_the_transpose(tiny, tied):
-  """``logits_layout="vocab"`` returns ``[vocab, R]``: the same products as the default ``[R, vocab]`` (up to
-  summation order), for tied embeddings (the output weight is ``embed [V, H]``) and a separate ``lm_head``
-  (``[H, V]``); an unknown layout is refused."""
+def test_tied_embeddings_give_the_logits_of_lm_head_equal_embed_transposed(tiny):
+  """Tied embeddings (the output weight is ``embed [V, H]``) give the logits of the same model with a separate
+  ``lm_head [H, V]`` = ``embed.T``."""
   import dataclasses
   cfg, params = tiny
-  if tied:
-    cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
-    params = {k: v for k, v in params.items() if k != "lm_head"}
-  assert ("lm_head" in params) != tied
+  tied_cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
+  tied = {k: v for k, v in params.items() if k != "lm_head"}
+  untied = dict(tied, lm_head=params["embed"].T)
   seqs = [(list(range(1, 12)), 0, [1]), ([40, 41], 20, [2, 3]), ([7], 3, [4])]
   batch, rows = build_batch(seqs, BS, token_floor=16, rows_floor=8)
-  rows_major, _ = step(params, init_kv_cache(cfg, 5, BS), batch, cfg, "reference")
-  vocab_major, _ = step(params, init_kv_cache(cfg, 5, BS), batch, cfg, "reference", logits_layout="vocab")
-  assert vocab_major.shape == (cfg.vocab_size, rows_major.shape[0]) and rows == 3
-  np.testing.assert_allclose(np.asarray(vocab_major).T, np.asarray(rows_major), atol=1e-5, rtol=1e-5)
-  with pytest.raises(ValueError, match="logits_layout"):
-    step(params, init_kv_cache(cfg, 5, BS), batch, cfg, "reference", logits_layout="columns")
+  want, _ = step(untied, init_kv_cache(cfg, 5, BS), batch, cfg, "reference")
+  got, _ = step(tied, init_kv_cache(cfg, 5, BS), batch, tied_cfg, "reference")
+  assert got.shape == (8, cfg.vocab_size) and rows == 3
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+  assert np.abs(np.asarray(want)).max() > 1e-3

@@ -1,5 +1,5 @@
-"""Fused projections (model/fused.py): the engine's CPU step layout gives the unfused model's logits and
-cache, for Llama, Qwen2 (qkv biases) and Mixtral (experts stay unfused), stacked and per-layer."""
+"""Fused projections (model/fused.py): the engine's step layout gives the unfused model's logits and cache, for
+Llama, Qwen2 (qkv biases) and Mixtral (experts stay unfused), stacked and per-layer."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 
 from superinfer_jax.model import build_batch, init_kv_cache, load_config
 from superinfer_jax.model.forward import forward
-from superinfer_jax.model.fused import fuse_projections, layer_params, transpose_mlp, unroll_layers
+from superinfer_jax.model.fused import fuse_projections, unroll_layers
 from superinfer_jax.model.params import init_random_params
 
 BS = 8
@@ -21,14 +21,10 @@ def _cfg(name):
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mixtral"])
 @pytest.mark.parametrize("unrolled", [False, True])
-@pytest.mark.parametrize("mlp_t", [False, True])
-def test_fused_forward_matches_unfused(name, unrolled, mlp_t):
+def test_fused_forward_matches_unfused(name, unrolled):
   cfg = _cfg(name)
   params = init_random_params(cfg, jax.random.key(1), scale=0.2)
   fused = fuse_projections(params, cfg)
-  if mlp_t:   # the dense MLP's weights stored [out, in] (the engine's CPU layout); MoE experts unchanged
-    fused = transpose_mlp(fused)
-    assert ("w_down_t" in fused["layers"]) == (not cfg.is_moe)
   if unrolled:
     params, fused = unroll_layers(params), unroll_layers(fused)
   seqs = [(list(range(3, 14)), 0, [1, 2]), ([40], 12, [3, 4]), ([7, 8], 5, [5])]   # prefill + decodes
@@ -64,40 +60,20 @@ def test_fused_layout_keys_columns_and_leaf_count(name):
     assert "w_gate" not in lp and "w_up" not in lp
   per_layer = len(jax.tree.leaves(unroll_layers(params))) - len(jax.tree.leaves(unroll_layers(fused)))
   saved = 2 + (2 if cfg.qkv_bias else 0) + (0 if cfg.is_moe else 1)   # q,k,v -> 1; b q,k,v -> 1; gate,up -> 1
-  assert per_layer == saved * cfg.num_layers + 1                # and norms: 2 stacked leaves -> 1
+  assert per_layer == (saved + 1) * cfg.num_layers             # and norms: 2 leaves -> 1 per layer
   again = fuse_projections(fused, cfg)                            # idempotent
   assert jax.tree.structure(again) == jax.tree.structure(fused)
 
 
-def test_unrolled_layout_keeps_the_norms_stacked():
-  """``unroll_layers``: one dict per layer without the norm weights, which stay stacked (one leaf for all
-  layers); ``layer_params`` puts layer i's slice back. Per-layer leaves: wqkv, wo, w_gate_up, w_down."""
+def test_unrolled_layout_is_one_dict_per_layer():
+  """``unroll_layers``: one dict per layer holding that layer's slice of every stacked leaf (fused: wqkv, wo,
+  w_gate_up, w_down, norms); idempotent."""
   cfg = _cfg("tiny-llama")
   fused = fuse_projections(init_random_params(cfg, jax.random.key(0)), cfg)
   un = unroll_layers(fused)
   assert len(un["layers"]) == cfg.num_layers
-  assert set(un["layers"][0]) == {"wqkv", "wo", "w_gate_up", "w_down"}
-  assert set(un["stacked_layers"]) == {"norms"}
-  assert len(jax.tree.leaves(un)) == 4 * cfg.num_layers + 1 + len(jax.tree.leaves({k: v for k, v in fused.items()
-                                                                                     if k != "layers"}))
+  assert set(un["layers"][0]) == {"wqkv", "wo", "w_gate_up", "w_down", "norms"}
   for i in range(cfg.num_layers):
-    lp = layer_params(un, i)
-    np.testing.assert_array_equal(np.asarray(lp["norms"]), np.asarray(fused["layers"]["norms"][i]))
-    np.testing.assert_array_equal(np.asarray(lp["wo"]), np.asarray(fused["layers"]["wo"][i]))
-
-
-def test_transpose_mlp_stores_the_mlp_out_in():
-  """``transpose_mlp``: ``w_gate_up_t`` / ``w_down_t`` are the transposes (per layer, stacked and unrolled), the
-  originals are gone and the input is untouched; MoE params pass through unchanged."""
-  cfg = _cfg("tiny-llama")
-  fused = fuse_projections(init_random_params(cfg, jax.random.key(0)), cfg)
-  t = transpose_mlp(fused)
-  lp, tp = fused["layers"], t["layers"]
-  assert "w_gate_up" in lp and "w_gate_up" not in tp and "w_down" not in tp
-  np.testing.assert_array_equal(np.asarray(tp["w_gate_up_t"]), np.swapaxes(np.asarray(lp["w_gate_up"]), -1, -2))
-  np.testing.assert_array_equal(np.asarray(tp["w_down_t"]), np.swapaxes(np.asarray(lp["w_down"]), -1, -2))
-  un = unroll_layers(t)
-  assert set(un["layers"][0]) == {"wqkv", "wo", "w_gate_up_t", "w_down_t"}
-  moe = _cfg("tiny-mixtral")
-  mp = fuse_projections(init_random_params(moe, jax.random.key(0)), moe)
-  assert jax.tree.structure(transpose_mlp(mp)) == jax.tree.structure(mp)
+    for name in ("norms", "wo", "wqkv"):
+      np.testing.assert_array_equal(np.asarray(un["layers"][i][name]), np.asarray(fused["layers"][name][i]))
+  assert unroll_layers(un) is un

@@ -13,6 +13,8 @@ from superinfer_jax.kv.layout import KVCacheSpec
 from superinfer_jax.rotation import DUPLEX, MERGED, MODES, NAIVE, DuplexKV, bucket_size, read_device_block
 from superinfer_jax.rotation import kernels
 
+pytestmark = pytest.mark.gpu   # numerics / kernels / transfers that depend on the accelerator
+
 
 def _spec(dtype="float32", layout="block_first", head_dim=4):
   return KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=head_dim, block_size=4, dtype=dtype,

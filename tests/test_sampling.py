@@ -118,20 +118,26 @@ def test_sampling_params_normalises():
   assert sp.stop == ("abc",) and sp.stop_token_ids == (1, 2)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 5, 0.9)])
-def test_vocab_major_logits_sample_the_same_tokens(temperature, top_k, top_p):
-  """``vocab_major=True`` reads ``[V, R]`` logits (``forward(..., logits_layout="vocab")``): greedy and
-  sampled tokens equal those of the ``[R, V]`` layout, row by row (mixed greedy / random rows too)."""
-  lg = _logits(8, seed=5)
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 5, 0.9), (0.8, 0, 0.7)])
+def test_every_mode_that_serves_the_rows_samples_the_same_tokens(temperature, top_k, top_p):
+  """``sampling_mode`` picks the least general mode for the rows (a third of them greedy); that mode and every
+  more general one give the same tokens row by row."""
+  from superinfer_jax.engine.sampling import SAMPLING_MODES, sampling_mode
+  lg = _logits(9, seed=5)
   R = lg.shape[0]
   temps = np.where(np.arange(R) % 3 == 0, 0.0, temperature).astype(np.float32)
   args = (temps, np.full(R, top_k, np.int32), np.full(R, top_p, np.float32), np.full(R, 11, np.uint32),
           np.arange(R, dtype=np.int32))
-  want = np.asarray(sample_jit(jnp.asarray(lg), *args))
-  got = np.asarray(sample_jit(jnp.asarray(lg.T.copy()), *args, vocab_major=True))
-  np.testing.assert_array_equal(got, want)
+  mode = sampling_mode(zip(temps, args[1], args[2]))
+  want_mode = "greedy" if temperature == 0 else "filtered" if (top_k or top_p < 1) else "random"
+  assert mode == want_mode
+  want = np.asarray(sample_jit(jnp.asarray(lg), *args))   # the default: filtered, serves any rows
+  for m in SAMPLING_MODES[SAMPLING_MODES.index(mode):]:
+    np.testing.assert_array_equal(np.asarray(sample_jit(jnp.asarray(lg), *args, mode=m)), want)
   if temperature == 0.0:
-    np.testing.assert_array_equal(got, lg.argmax(-1))
+    np.testing.assert_array_equal(want, lg.argmax(-1))
+  with pytest.raises(ValueError, match="sampling mode"):
+    sample_jit(jnp.asarray(lg), *args, mode="beam")
 
 
 def test_first_argmax_matches_jnp_argmax_with_ties_nan_and_inf():

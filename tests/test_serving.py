@@ -118,16 +118,16 @@ def test_real_engine_recovers_from_a_failed_step(tmp_path):
     return LLMEngine(str(tmp_path), cfg)
 
   eng = LLMEngine(str(tmp_path), cfg)
-  real = eng._complete
+  real = eng.runner.read_tokens
   calls = {"n": 0}
 
-  def flaky(inflight):
+  def flaky(handle):
     calls["n"] += 1
     if calls["n"] == 3:
       raise RuntimeError("injected device failure")
-    return real(inflight)
+    return real(handle)
 
-  eng._complete = flaky
+  eng.runner.read_tokens = flaky
   gc.freeze()   # as scripts/serve.py does once its engine is built: the rebuild unfreezes, then freezes again
   try:
     _serve_through_a_failure(eng, factory, made)

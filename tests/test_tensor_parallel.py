@@ -318,7 +318,7 @@ def _child(out_dir: str) -> None:
 
 
 def _cuda_lowering(tp) -> dict:
-  """Lowers the engine's jitted step (``engine._jit_step``) for CUDA over ``tp``'s 2-device mesh."""
+  """Lowers the engine's jitted step (``runner._jit_step``) for CUDA over ``tp``'s 2-device mesh."""
   import functools
   import re
 
@@ -327,7 +327,7 @@ def _cuda_lowering(tp) -> dict:
   from jax.sharding import NamedSharding
 
   from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-  from superinfer_jax.engine import engine as engine_lib
+  from superinfer_jax.engine import runner as engine_lib
   from superinfer_jax.engine import packing
   from superinfer_jax.model.config import ModelConfig
   from superinfer_jax.model.params import param_shapes
@@ -348,9 +348,10 @@ def _cuda_lowering(tp) -> dict:
   packed = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=tp.replicated)
   prev_tokens = jax.ShapeDtypeStruct((R,), jnp.int32, sharding=tp.replicated)
   attn = tp.attention(functools.partial(ragged_paged_attention, interpret=False))
+  leaves, params_def = jax.tree.flatten(params)
   lowered = engine_lib._jit_step.trace(  # pylint: disable=protected-access
-      params, cache, packed, prev_tokens, dims=dims, cfg=cfg_tp, attention=attn,
-      logits_sharding=tp.replicated).lower(lowering_platforms=("cuda",))
+      tuple(leaves), cache, packed, prev_tokens, dims=dims, mode="greedy", cfg=cfg_tp, attention=attn,
+      params_def=params_def, logits_sharding=tp.replicated).lower(lowering_platforms=("cuda",))
   txt = lowered.as_text()
   main = next(line for line in txt.splitlines() if "func.func public @main" in line)
   cache_shape = "x".join(map(str, cache.shape))

@@ -13,7 +13,8 @@ from superinfer_jax.engine.config import (FINISH_ABORT, FINISH_ERROR, FINISH_LEN
                                           FINISH_STOP, CompletionOutput, EngineConfig, RequestOutput,
                                           SamplingParams, define_engine_flags, engine_config_from_flags)
 
-_LAZY = {"LLMEngine": "engine", "EngineStats": "engine", "RequestError": "engine",
+_LAZY = {"LLMEngine": "engine", "EngineStats": "stats", "RequestError": "core", "ModelRunner": "runner",
+         "JaxModelRunner": "runner",
          "IncrementalDetokenizer": "detokenizer", "sample": "sampling", "SamplingArrays": "sampling"}
 
 
@@ -26,6 +27,6 @@ def __getattr__(name):
 
 
 __all__ = ["CompletionOutput", "EngineConfig", "EngineStats", "FINISH_ABORT", "FINISH_ERROR",
-           "FINISH_LENGTH", "FINISH_REASONS", "FINISH_STOP", "IncrementalDetokenizer", "LLMEngine",
+           "FINISH_LENGTH", "FINISH_REASONS", "FINISH_STOP", "IncrementalDetokenizer", "JaxModelRunner", "LLMEngine", "ModelRunner",
            "RequestError", "RequestOutput", "SamplingArrays", "SamplingParams", "define_engine_flags",
            "engine_config_from_flags", "sample"]

@@ -30,8 +30,7 @@ FINISH_LENGTH = "length"    # max_tokens reached (or the model's context is full
 FINISH_ABORT = "abort"      # aborted by the caller
 FINISH_ERROR = "error"      # the request could not be served (e.g. it can never fit the device pool)
 FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR)
-LAYER_LOOPS = ("auto", "scan", "unrolled")
-HOST_THREAD_POLICIES = ("other", "fifo")
+LAYER_LOOPS = ("unrolled", "scan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,21 +62,11 @@ class EngineConfig:
   zero_bubble: bool = knob(True, "with --pipeline: dispatch step k+1 before reading step k's ids, feeding "
                                  "the tokens k samples to k+1 on device (false: read k's ids, then dispatch)")
   seed: int = knob(0, "seed of requests that give none", flag="engine_seed")
-  host_thread_nice: int = knob(0, "nice value (-20..19) for the thread that builds the engine and runs its "
-                                  "steps, set once the backend's threads exist; 0: leave it. On CPU, XLA's "
-                                  "compute threads share the cores, and a negative value lets the host dispatch "
-                                  "without waiting out their time slices (docs/platform.md); lowering needs "
-                                  "CAP_SYS_NICE, else a warning")
-  host_thread_policy: str = knob("other", "scheduling policy of that thread: other (leave it) or fifo (real-time "
-                                           "SCHED_FIFO priority 1, not inherited by threads it starts): on CPU it "
-                                           "then never waits on the run queue behind XLA's compute threads, which "
-                                           "nice alone does not prevent (docs/platform.md); needs CAP_SYS_NICE, "
-                                           "else a warning", choices=HOST_THREAD_POLICIES)
   tensor_parallel_size: int = knob(1, "devices of the 1-D tensor-parallel mesh (weights and KV sharded by "
                                       "heads; docs/parallel.md)")
-  layer_loop: str = knob("auto", "model layers as a scan (one compiled layer body) or unrolled (no "
-                                 "per-layer weight copies; longer compiles); auto: unrolled on CPU",
-                         choices=LAYER_LOOPS)
+  layer_loop: str = knob("unrolled", "model layers unrolled (straight-line step: no while loop, each matmul "
+                                     "reads its own weight buffer; compile time grows with the layers) or as a "
+                                     "scan (one compiled layer body)", choices=LAYER_LOOPS)
   # Shape-bucket floors of the ragged batch (tokens T, sequences S = logit rows R, block-table width MB);
   # each is rounded up to a power of two. Raising them trades padding compute for fewer compilations.
   token_bucket_floor: int = knob(1, "smallest token bucket of a step")
@@ -103,9 +92,6 @@ class EngineConfig:
     check_int("blocks_bucket_floor")
     check_int("seed", allow_zero=True)
     check_int("tensor_parallel_size")
-    if isinstance(self.host_thread_nice, bool) or not isinstance(self.host_thread_nice, int) or not (
-        -20 <= self.host_thread_nice <= 19):
-      raise ValueError(f"EngineConfig.host_thread_nice must be an int in [-20, 19], got {self.host_thread_nice!r}")
     configtree.check_choices(self)
     if not 0.0 < self.device_memory_fraction <= 1.0:
       raise ValueError(f"EngineConfig.device_memory_fraction must be in (0, 1], got "

@@ -13,13 +13,16 @@ Reproducibility: the random key of a row is ``fold_in(key(seed), step)``, so a r
 depend only on its own logits, seed and output index, never on which other requests share the batch, the
 row it lands in, or the bucket size. Greedy rows (temperature 0) ignore the key entirely.
 
-The sort needed by top-k / top-p is skipped (``lax.cond``) when no row of the batch uses either, and the
-whole random path is skipped when every row is greedy, so a greedy batch costs one argmax.
+``mode`` (static; ``SAMPLING_MODES``) says how much of the sampler is compiled into a step: ``greedy`` (one
+argmax; every row must be greedy), ``random`` (temperature sampling; no row may filter), ``filtered`` (top-k /
+top-p too; serves any rows). The host picks the least general mode that serves a step's rows
+(``sampling_mode``), so the compiled step holds no data-dependent conditional: on a GPU a conditional's
+predicate is read on the host, which would make the step call wait for the device. For the same rows every
+mode that serves them gives the same tokens.
 """
 from __future__ import annotations
 
 import dataclasses
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -84,35 +87,45 @@ def first_argmax(x: jax.Array, axis: int) -> jax.Array:
   return jnp.min(jnp.where((x == m) | jnp.isnan(x), idx, n), axis=axis)
 
 
-def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-           seed: jax.Array, step: jax.Array, vocab_major: bool = False) -> jax.Array:
-  """Samples one token per row. Shapes in the module docstring. Returns [R] int32 token ids.
+GREEDY, RANDOM, FILTERED = "greedy", "random", "filtered"
+SAMPLING_MODES = (GREEDY, RANDOM, FILTERED)
 
-  ``vocab_major=True``: ``logits`` is ``[V, R]`` (``forward(..., logits_layout="vocab")``); the greedy argmax
-  runs over axis 0 in place and only the random path transposes it. The tokens are the same."""
+
+def sampling_mode(rows) -> str:
+  """The least general mode serving ``rows``, an iterable of ``(temperature, top_k, top_p, ...)`` (top_k 0 or
+  -1: off; top_p 1: off). No rows: ``greedy``."""
+  mode = GREEDY
+  for r in rows:
+    temperature, top_k, top_p = r[0], r[1], r[2]
+    if temperature > 0:
+      if top_k > 0 or top_p < 1.0:
+        return FILTERED
+      mode = RANDOM
+  return mode
+
+
+def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+           seed: jax.Array, step: jax.Array, mode: str = FILTERED) -> jax.Array:
+  """Samples one token per row. Shapes in the module docstring; ``mode`` static (module docstring), and a row
+  it does not serve (a sampled row under ``greedy``, a filtering row under ``random``) is sampled as that mode
+  does (greedy / unfiltered). Returns [R] int32 token ids."""
+  if mode not in SAMPLING_MODES:
+    raise ValueError(f"sampling mode must be one of {SAMPLING_MODES}, got {mode!r}")
   logits = logits.astype(jnp.float32)
-  greedy_tokens = first_argmax(logits, axis=0 if vocab_major else -1)
+  greedy_tokens = first_argmax(logits, axis=-1)
   is_greedy = temperature <= 0.0
 
-  def random_path(logits):
-    if vocab_major:
-      logits = logits.T  # [R, V], inside the branch: an all-greedy batch never transposes
-    safe_t = jnp.where(is_greedy, 1.0, temperature)
-    scaled = logits / safe_t[:, None]
-    needs_filter = jnp.any(~is_greedy & (((top_k > 0) & (top_k < logits.shape[-1])) | (top_p < 1.0)))
-    scaled = jax.lax.cond(needs_filter, lambda x: _filter_top_k_top_p(x, top_k, top_p), lambda x: x,
-                          scaled)
-    keys = _row_keys(seed.astype(jnp.uint32), step.astype(jnp.int32))
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
-    sampled = first_argmax(scaled + gumbel, axis=-1)
-    return jnp.where(is_greedy, greedy_tokens, sampled)
-
-  return jax.lax.cond(jnp.all(is_greedy), lambda _: greedy_tokens, random_path, logits)
+  if mode == GREEDY:
+    return greedy_tokens
+  safe_t = jnp.where(is_greedy, 1.0, temperature)
+  scaled = logits / safe_t[:, None]
+  if mode == FILTERED:
+    scaled = _filter_top_k_top_p(scaled, top_k, top_p)
+  keys = _row_keys(seed.astype(jnp.uint32), step.astype(jnp.int32))
+  gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
+  sampled = first_argmax(scaled + gumbel, axis=-1)
+  return jnp.where(is_greedy, greedy_tokens, sampled)
 
 
-sample_jit = jax.jit(sample, static_argnames=("vocab_major",))
+sample_jit = jax.jit(sample, static_argnames=("mode",))
 
-
-def derive_seed(engine_seed: int, request_id: str) -> int:
-  """A 32-bit seed for a request that gave none: a stable hash of (engine seed, request id)."""
-  return zlib.crc32(f"{engine_seed}:{request_id}".encode()) & 0xFFFFFFFF

@@ -4,10 +4,9 @@ Every backend has the signature
 ``attn(q[T,Hq,D], kv_cache[NB,L,2,BS,Hkv,D], layer, block_tables[S,MB], context_lens[S],
 query_start_loc[S+1], *, scale) -> [T,Hq,D]`` and reads K/V that the model has already written.
 Backends are looked up by name so the name (a string) can be a static jit argument: ``reference`` (pure JAX,
-``pallas_kernels/reference.py``), ``pallas`` (``pallas_kernels/ragged_paged_attention.py``; on CPU only in
-interpret mode, correct but slow) and ``cpu_kernel`` (a C++ XLA FFI custom call for XLA:CPU, compiled on first
-use: ``pallas_kernels/cpu_paged_attention.py``). ``"auto"`` is the default everywhere: ``pallas`` on a GPU,
-``cpu_kernel`` on a CPU where it builds, else ``reference``.
+``pallas_kernels/reference.py``), and ``pallas`` (``pallas_kernels/ragged_paged_attention.py``; on CPU only in
+interpret mode, correct but slow). ``"auto"`` is the default everywhere: ``pallas`` on a GPU, ``reference``
+elsewhere.
 """
 from __future__ import annotations
 
@@ -28,14 +27,7 @@ def _pallas() -> AttentionFn:
   return ragged_paged_attention
 
 
-def _cpu_kernel() -> AttentionFn:
-  # A C++ XLA FFI custom call, compiled on first use (pallas_kernels/cpu_paged_attention.py); CPU only.
-  from pallas_kernels.cpu_paged_attention import cpu_paged_attention
-  return cpu_paged_attention
-
-
-_BACKENDS: dict[str, Callable[[], AttentionFn]] = {"reference": _reference, "pallas": _pallas,
-                                                   "cpu_kernel": _cpu_kernel}
+_BACKENDS: dict[str, Callable[[], AttentionFn]] = {"reference": _reference, "pallas": _pallas}
 
 
 AUTO = "auto"
@@ -46,25 +38,9 @@ def attention_backend_names() -> tuple[str, ...]:
 
 
 def default_backend_name() -> str:
-  """What ``"auto"`` means on this process's default JAX backend: ``pallas`` on a GPU; on a CPU ``cpu_kernel``
-  when it builds here (a C++ compiler and the jaxlib FFI headers), else ``reference`` (logged once, with why)."""
+  """What ``"auto"`` means on this process's default JAX backend: ``pallas`` on a GPU, else ``reference``."""
   import jax  # pylint: disable=import-outside-toplevel
-  if jax.default_backend() in ("gpu", "cuda", "rocm"):
-    return "pallas"
-  if jax.default_backend() == "cpu":
-    from pallas_kernels import cpu_paged_attention  # pylint: disable=import-outside-toplevel
-    err = cpu_paged_attention.build_error()
-    if err is None:
-      return "cpu_kernel"
-    _log_fallback(err)
-  return "reference"
-
-
-@functools.cache
-def _log_fallback(reason: str) -> None:
-  import logging  # pylint: disable=import-outside-toplevel
-  logging.getLogger(__name__).warning("attention 'auto' uses 'reference' on this CPU: the cpu_kernel backend "
-                                      "is unavailable (%s)", reason)
+  return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "reference"
 
 
 def resolved_attention_name(name: str) -> str:
@@ -74,7 +50,7 @@ def resolved_attention_name(name: str) -> str:
 
 @functools.cache
 def get_attention_backend(name: str) -> AttentionFn:
-  """The attention function registered as ``name`` ("auto", "reference", "pallas", "cpu_kernel"). Unknown ->
+  """The attention function registered as ``name`` ("auto", "reference", "pallas"). Unknown ->
   ValueError."""
   name = resolved_attention_name(name)
   if name not in _BACKENDS:

@@ -4,8 +4,9 @@
 mixed): embed -> L x [RMSNorm, q/k/v (+bias), RoPE (scaled per ``cfg.rope_type``), write K/V into the cache
 at ``slot_mapping``, paged attention (sliding window on the layers ``cfg`` names), o-proj, residual,
 RMSNorm, SwiGLU MLP or top-k mixture of SwiGLU experts (``superinfer_jax.model.moe``), residual] -> final
-RMSNorm -> logits of the rows ``logits_indices``. Layers are stacked and run with ``lax.scan`` (one compiled
-layer body, whatever L is; MoE expert weights are stacked inside each layer).
+RMSNorm -> logits of the rows ``logits_indices``. Stacked layers run as a ``lax.scan`` (one compiled layer body,
+whatever L is); a list of per-layer dicts (``model/fused.py:unroll_layers``) runs as an unrolled loop, which
+compiles to straight-line code (no while loop). MoE expert weights are stacked inside each layer.
 
 Numerics: activations and the residual stream are in the params' dtype (bf16 or f32); every matmul
 accumulates in f32 (``preferred_element_type``) and RMSNorm, RoPE, soft-max and routing run in f32.
@@ -23,7 +24,7 @@ from superinfer_jax.model.attention import resolve_attention
 from superinfer_jax.model.batch import BatchInputs
 from superinfer_jax.model.config import ModelConfig
 from superinfer_jax.model.moe import matmul, moe_mlp
-from superinfer_jax.model import dense_pack, fused
+from superinfer_jax.model import fused
 from superinfer_jax.model.params import DTYPES
 
 
@@ -87,15 +88,6 @@ def rope_cos_sin(cfg: ModelConfig, batch: BatchInputs) -> tuple[jax.Array, jax.A
   return jnp.cos(freqs), jnp.sin(freqs)
 
 
-def _computed_once(f, arg, pred):
-  """``f(arg)``, kept out of its consumers' fusions: inside a conditional whose two branches are both ``f`` (so
-  the result is ``f(arg)`` whatever the traced ``pred``). XLA:CPU otherwise fused the RoPE cos / sin into every
-  layer's RoPE and K-write fusions of the unrolled step, recomputing the transcendentals twice per layer
-  (``lax.optimization_barrier`` does not stop it: XLA:CPU removes barriers before fusion). Batch-16 SmolLM2 decode
-  step ~34.3 -> ~33.3 ms. CPU only: a GPU conditional reads its predicate on the host."""
-  return jax.lax.cond(pred, f, f, arg)
-
-
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   """x ``[T, H, D]`` rotated by position: ``x * cos + rotate_half(x) * sin`` (float32 math)."""
   half = x.shape[-1] // 2
@@ -115,17 +107,14 @@ def write_kv(kv_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
   return kv_cache.at[blocks, layer, :, offsets].set(kv)
 
 
-LOGITS_LAYOUTS = ("rows", "vocab")
-
-
 def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, attention="reference",
-            moe: str = "auto", logits_layout: str = "rows", dense_max_rows: int = 0) -> tuple[jax.Array, jax.Array]:
+            moe: str = "auto") -> tuple[jax.Array, jax.Array]:
   """One ragged model step.
 
   Args:
     params: stacked params (see ``superinfer_jax.model.params``), or their fused layout
-      (``model/fused.py``); ``layers`` may also be a list of per-layer dicts (the layer loop is then
-      unrolled), with the norm weights in ``stacked_layers`` (``fused.unroll_layers``) or per layer.
+      (``model/fused.py``); ``layers`` may also be a list of per-layer dicts (``fused.unroll_layers``: the
+      layer loop is then unrolled).
     kv_cache: ``[NB, L, 2, BS, Hkv, D]`` block-first cache (block 0 = padding).
     batch: ``BatchInputs`` (T tokens, S sequences, R logit rows).
     cfg: model config (static).
@@ -133,80 +122,53 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
       with ``window=`` (a per-layer int32 scalar, <= 0 meaning full attention) only when ``cfg`` has
       sliding-window layers, so backends without that keyword serve every other model.
     moe: MoE formulation (static; ignored for dense models): see ``superinfer_jax.model.moe.MOE_IMPLS``.
-    logits_layout: "rows" (default): logits ``[R, vocab]``; "vocab": their transpose ``[vocab, R]``, computed
-      as ``W_out . x^T`` (static). On XLA CPU that product is faster for a few rows (measured in
-      docs/platform.md) and a greedy argmax over axis 0 reads it in place; the engine picks it on CPU.
-    dense_max_rows: steps of at most this many tokens (static; 0: none) run the layers' projections and the output
-      head on the ``cpu_dense`` kernel from ``params["dense_packed"]`` (``model/dense_pack.py``; unrolled layers
-      only; the kernel gives ``[R, V]``, so such steps are best asked for ``logits_layout="rows"``).
   Returns:
-    ``(logits float32 in logits_layout, kv_cache with this step's K/V written)``.
+    ``(logits [R, vocab] float32, kv_cache with this step's K/V written)``.
   """
-  if logits_layout not in LOGITS_LAYOUTS:
-    raise ValueError(f"logits_layout must be one of {LOGITS_LAYOUTS}, got {logits_layout!r}")
   cfg.check_supported()
   attn = resolve_attention(attention)
   T = batch.token_ids.shape[0]
   Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   scale = D ** -0.5
   x = params["embed"][batch.token_ids]                                  # [T, H]
-  if isinstance(params["layers"], (list, tuple)) and jax.default_backend() == "cpu" and T > 0:
-    cos, sin = _computed_once(lambda b: rope_cos_sin(cfg, b), batch, batch.positions[0] >= 0)
-  else:   # a scan computes them once anyway; on a GPU a conditional would read its predicate on the host
-    cos, sin = rope_cos_sin(cfg, batch)
+  cos, sin = rope_cos_sin(cfg, batch)
   windows = cfg.layer_windows()
-  packed = params.get("dense_packed") if dense_pack.on_kernel(T, dense_max_rows) else None
 
   def layer_body(carry, xs):
     x, kv = carry
     lp, layer, window = xs
-    proj = None if packed is None else dense_pack.projector(packed, cfg, layer)   # layer: a Python int here
     attn_norm, mlp_norm = fused.norms(lp)
     h = rms_norm(x, attn_norm, cfg.rms_norm_eps)
-    q, k, v = fused.qkv(h, lp, cfg, proj)
+    q, k, v = fused.qkv(h, lp, cfg)
     q = apply_rope(q.reshape(T, Hq, D), cos, sin)
     k = apply_rope(k.reshape(T, Hkv, D), cos, sin)
     kv = write_kv(kv, layer, k, v.reshape(T, Hkv, D), batch.slot_mapping)
     kw = {} if windows is None else {"window": window}
     o = attn(q, kv, layer, batch.block_tables, batch.context_lens, batch.query_start_loc, scale=scale, **kw)
     o = o.reshape(T, Hq * D).astype(x.dtype)
-    x = x + (matmul(o, lp["wo"]) if proj is None else proj("o", o).astype(x.dtype))
+    x = x + matmul(o, lp["wo"])
     h = rms_norm(x, mlp_norm, cfg.rms_norm_eps)
     if cfg.is_moe:
       x = x + moe_mlp(h, lp, cfg.num_experts_per_token, impl=moe)
     else:
-      gate, up = fused.gate_up(h, lp, proj)
-      x = x + fused.down((jax.nn.silu(gate) * up).astype(h.dtype), lp, proj)
+      gate, up = fused.gate_up(h, lp)
+      x = x + fused.down((jax.nn.silu(gate) * up).astype(h.dtype), lp)
     return (x, kv), None
 
   layer_windows = jnp.asarray(windows or (0,) * cfg.num_layers, jnp.int32)
   if isinstance(params["layers"], (list, tuple)):
-    # Per-layer dicts: an unrolled loop, each matmul reads its weight in place (the scan's dynamic-slice
-    # copies every layer's weights first: XLA CPU does not fuse it into the dot).
-    for layer in range(len(params["layers"])):
-      lp = fused.layer_params(params, layer)
+    for layer, lp in enumerate(params["layers"]):
       (x, kv_cache), _ = layer_body((x, kv_cache), (lp, layer, layer_windows[layer]))
   else:
-    if packed is not None:
-      raise ValueError("dense_max_rows needs the unrolled layer layout (fused.unroll_layers)")
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, kv_cache), _ = jax.lax.scan(layer_body, (x, kv_cache), (params["layers"], layer_ids, layer_windows))
   x = rms_norm(x[batch.logits_indices], params["final_norm"], cfg.rms_norm_eps)   # [R, H]
   # Output weight: embed [V, H] (tied) or lm_head [H, V]; h_axis is its hidden axis, contracted with x's.
   w_out, h_axis = (params["embed"], 1) if cfg.tie_word_embeddings else (params["lm_head"], 0)
-  if packed is not None:         # the kernel's packed copy of it: [R, V]
-    logits = dense_pack.head_logits(packed, cfg, x)
-    logits = logits.T if logits_layout == "vocab" else logits
-  elif logits_layout == "vocab":   # [V, R]: the weight is the dot's left operand
-    dims = (((h_axis,), (1,)), ((), ()))
-    logits = jax.lax.dot_general(w_out, x, dims, preferred_element_type=jnp.float32)
-  else:                          # [R, V]
-    dims = (((1,), (h_axis,)), ((), ()))
-    logits = jax.lax.dot_general(x, w_out, dims, preferred_element_type=jnp.float32)
+  dims = (((1,), (h_axis,)), ((), ()))
+  logits = jax.lax.dot_general(x, w_out, dims, preferred_element_type=jnp.float32)   # [R, V]
   return logits.astype(jnp.float32), kv_cache
 
 
-# Jitted ``forward``: ``kv_cache`` donated, ``cfg``, ``attention``, ``moe``, ``logits_layout`` and ``dense_max_rows``
-# static.
-step = jax.jit(forward, static_argnames=("cfg", "attention", "moe", "logits_layout", "dense_max_rows"),
-               donate_argnames=("kv_cache",))
+# Jitted ``forward``: ``kv_cache`` donated, ``cfg``, ``attention`` and ``moe`` static.
+step = jax.jit(forward, static_argnames=("cfg", "attention", "moe"), donate_argnames=("kv_cache",))
