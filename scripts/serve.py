@@ -73,7 +73,7 @@ def main(argv):
                       format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   import uvicorn  # pylint: disable=import-outside-toplevel
   from superinfer_jax.engine.engine import LLMEngine  # pylint: disable=import-outside-toplevel
-  from superinfer_jax.serving.app import build_app  # pylint: disable=import-outside-toplevel
+  from superinfer_jax.serving.app import build_app, context_of  # pylint: disable=import-outside-toplevel
 
   def make_engine():
     return LLMEngine(FLAGS.model, config)
@@ -81,6 +81,11 @@ def main(argv):
   try:
     engine = make_engine()
   except (ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  try:
+    context = context_of(engine)
+  except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if FLAGS.precompile:
@@ -94,7 +99,9 @@ def main(argv):
     if not is_primary():
       return _follow(engine, channel)
   name = FLAGS.served_model_name or _served_name(FLAGS.model)
-  banner = (f"(context {engine.max_model_len} tokens, {engine.num_device_blocks} device blocks, policy "
+  capped = (f", capped from the model's {engine.max_model_len} to what the KV pool holds for one sequence"
+            if context < engine.max_model_len else "")
+  banner = (f"(context {context} tokens{capped}, {engine.num_device_blocks} device blocks, policy "
             f"{config.scheduler.policy})")
   application = build_app(engine, [name], max_queue=FLAGS.max_queue, channel=channel,
                           engine_factory=None if multi else make_engine)

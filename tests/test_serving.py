@@ -41,6 +41,15 @@ def test_parse_request_defaults_and_errors():
   assert P.check_lengths(req, 10, 12) == 2
 
 
+def test_served_context_is_capped_at_the_pool():
+  assert P.served_context(8192, 256, 16) == 4096          # SmolLM2's 8192 positions, a 4096-token pool
+  assert P.served_context(2048, 256, 16) == 2048
+  assert P.served_context(8192, 256, 16, explicit=4096) == 4096
+  with pytest.raises(ValueError, match=r"--max_model_len=8192 exceeds the 4096 tokens") as e:
+    P.served_context(8192, 256, 16, explicit=8192)
+  assert "\n" not in str(e.value)
+
+
 def test_chat_templates():
   msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
   assert render_chat(None, msgs) == "system: be brief\nuser: hi\nassistant:"

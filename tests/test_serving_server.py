@@ -27,6 +27,8 @@ ENGINE_ARGS = ["--block_size=16", "--num_device_blocks=40", "--num_host_blocks=6
                "--blocks_bucket_floor=32"]
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 MAX_QUEUE = 4
+MODEL_POSITIONS = 1024
+POOL_TOKENS = 40 * 16   # --num_device_blocks x --block_size: the context the server offers (< MODEL_POSITIONS)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,7 @@ def model_dir(tmp_path_factory):
   from superinfer_jax.model.testing import save_tiny_hf_model
   from superinfer_jax.model.tokenizer import Tokenizer, save_tokenizer
   d = str(tmp_path_factory.mktemp("tiny_llama_serve"))
-  save_tiny_hf_model(d, "llama", max_position_embeddings=512, vocab_size=VOCAB, bos_token_id=VOCAB - 2,
+  save_tiny_hf_model(d, "llama", max_position_embeddings=MODEL_POSITIONS, vocab_size=VOCAB, bos_token_id=VOCAB - 2,
                      eos_token_id=VOCAB - 1)
   save_tokenizer(Tokenizer(backend=word_tokenizer(VOCAB), bos_id=VOCAB - 2, eos_ids=(VOCAB - 1,),
                            chat_template=CHAT_TEMPLATE), d)
@@ -117,6 +119,7 @@ def _health_check(server):
 
 def test_models_and_health(server, client):
   assert [m.id for m in client.models.list().data] == ["tiny"]
+  assert client.models.list().data[0].model_extra["max_model_len"] == POOL_TOKENS
   h = _health_check(server)
   assert h["device_blocks"] == 40 and h["device_blocks_free"] == 40
 
@@ -171,6 +174,26 @@ def test_chat_stream_equals_nonstream_equals_generate(server, client, model_dir)
     assert ref["text"] == text
 
 
+def test_chat_without_max_tokens_gets_the_rest_of_the_pool_capped_context(client):
+  """The model has 1024 positions but the pool holds 640 tokens: the server offers 640, and a chat request
+  without max_tokens runs to the end of it (it would be refused as needing more blocks than the pool has
+  if the default asked for the model's 1024)."""
+  r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w3 w4"}],
+                                     temperature=0, extra_body={"ignore_eos": True})
+  assert r.choices[0].finish_reason == "length" and r.choices[0].message.content
+  assert r.usage.prompt_tokens + r.usage.completion_tokens == POOL_TOKENS
+
+
+def test_max_model_len_beyond_the_pool_is_a_one_line_startup_error(model_dir, tmp_path):
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "serve.py"), f"--model={model_dir}",
+                      "--port=0", "--max_model_len=1000"] + ENGINE_ARGS,
+                     capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
+  assert r.returncode == 2
+  errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1, r.stderr[-2000:]
+  assert "--max_model_len=1000" in errors[0] and f"{POOL_TOKENS} tokens" in errors[0], errors
+
+
 def test_stop_and_seed(server, client):
   base = client.completions.create(model="tiny", prompt="w1 w2", max_tokens=8, temperature=0,
                                    extra_body={"ignore_eos": True})
@@ -197,10 +220,10 @@ BAD = [
     ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, 400, "invalid_type"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": 3}]}, 400, "invalid_type"),
     ("/v1/completions", {"model": "tiny", "prompt": "w1", "stream": "yes"}, 400, "invalid_type"),
-    ("/v1/completions", {"model": "tiny", "prompt": "w1 " * 600}, 400, "context_length_exceeded"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w1 " * 700}, 400, "context_length_exceeded"),
     ("/v1/completions", {"model": "tiny", "prompt": "w1", "max_tokens": 0}, 400, "invalid_value"),
     ("/v1/completions", {"model": "tiny", "prompt": "w1", "max_tokens": -3}, 400, "invalid_value"),
-    ("/v1/completions", {"model": "tiny", "prompt": "w1", "max_tokens": 600}, 400, "context_length_exceeded"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w1", "max_tokens": 700}, 400, "context_length_exceeded"),
     ("/v1/completions", {"model": "tiny", "prompt": "w1", "temperature": -0.5}, 400, "invalid_value"),
     ("/v1/completions", {"model": "tiny", "prompt": "w1", "top_p": 0}, 400, "invalid_value"),
     ("/v1/completions", {"model": "tiny", "prompt": "w1", "top_p": 1.5}, 400, "invalid_value"),

@@ -54,13 +54,23 @@ class _Ticket:
     self.worker.done(self.rid)
 
 
+def context_of(engine: Any) -> int:
+  """The context the server offers over ``engine``: ``protocol.served_context`` (the engine's
+  ``max_model_len`` capped at its device pool; ``ValueError`` if an explicit ``--max_model_len`` exceeds the
+  pool). An engine without a pool size (the test fake) offers its ``max_model_len``."""
+  nb = getattr(engine, "num_device_blocks", None)
+  if nb is None:
+    return engine.max_model_len
+  return P.served_context(engine.max_model_len, nb, engine.config.block_size, engine.config.model.max_model_len)
+
+
 def build_app(engine: Any, served_model_names: Sequence[str], *, max_queue: int = 256,
               engine_factory=None, disconnect_poll_s: float = 0.1, channel=None) -> FastAPI:
   """The app over ``engine`` (an ``LLMEngine``); the engine thread starts with the app's lifespan.
   ``channel``: process 0's ``parallel.events.EventChannel`` in a multi-process run (``worker.py``)."""
   names = list(served_model_names)
   tokenizer = engine.tokenizer
-  max_model_len = engine.max_model_len
+  max_model_len = context_of(engine)
   vocab_size = engine.model_config.vocab_size
   metrics = ServerMetrics()
   # Only the worker keeps the engine (so a rebuilt engine's predecessor can be freed).

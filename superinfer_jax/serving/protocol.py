@@ -256,6 +256,22 @@ def parse_request(body: dict, kind: str, served_model_names: Sequence[str]) -> t
   return req, messages
 
 
+def served_context(model_len: int, num_device_blocks: int, block_size: int,
+                   explicit: Optional[int] = None) -> int:
+  """The context (prompt + output tokens of one request) the server offers: ``model_len`` (the engine's,
+  from the model's positions or ``--max_model_len``) capped at what the device KV pool holds for one
+  sequence (``num_device_blocks * block_size``), so every request the server accepts can run.
+
+  ``explicit`` (the ``--max_model_len`` the user gave, or None) may not exceed the pool: ``ValueError``
+  with one line naming both numbers (a server that could never fill the context it advertises)."""
+  pool = num_device_blocks * block_size
+  if explicit is not None and explicit > pool:
+    raise ValueError(f"--max_model_len={explicit} exceeds the {pool} tokens the device KV pool holds for one "
+                     f"sequence ({num_device_blocks} blocks x {block_size}): lower --max_model_len or raise "
+                     "--num_device_blocks")
+  return min(model_len, pool)
+
+
 def check_lengths(req: ParsedRequest, prompt_len: int, max_model_len: int) -> int:
   """Checks the prompt and max_tokens against the context; returns the max_tokens to run with."""
   if prompt_len == 0:
