@@ -39,6 +39,7 @@ flags.DEFINE_string("host", "127.0.0.1", "address to bind (default loopback only
 flags.DEFINE_integer("port", 8000, "port to bind (0: any free port; see --port_file)")
 flags.DEFINE_string("port_file", None, "write the bound port to this file once the server listens")
 flags.DEFINE_integer("max_queue", 256, "max requests accepted and not finished; beyond it: HTTP 429")
+flags.DEFINE_integer("max_request_bytes", 4 << 20, "largest request body accepted; beyond it: HTTP 413")
 flags.DEFINE_float("shutdown_timeout", 10.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM")
 flags.DEFINE_bool("precompile", False, "compile every step shape before serving")
 flags.DEFINE_string("log_level", "info", "uvicorn / server log level")
@@ -60,6 +61,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if FLAGS.max_queue < 1:
     raise app.UsageError("--max_queue must be >= 1")
+  if FLAGS.max_request_bytes < 1:
+    raise app.UsageError("--max_request_bytes must be >= 1")
   if not FLAGS.idle_broadcast_interval > 0:
     raise app.UsageError("--idle_broadcast_interval must be > 0")
   try:
@@ -103,8 +106,16 @@ def main(argv):
             if context < engine.max_model_len else "")
   banner = (f"(context {context} tokens{capped}, {engine.num_device_blocks} device blocks, policy "
             f"{config.scheduler.policy})")
+  from superinfer_jax.serving.logprobs import Scorer  # pylint: disable=import-outside-toplevel
+
+  def load_for_scoring():
+    from superinfer_jax.model import load_model  # pylint: disable=import-outside-toplevel
+    logging.getLogger("superinfer_jax.serving").info("loading a copy of the weights to score logprobs with")
+    return load_model(FLAGS.model, dtype=config.model.dtype)
+
   application = build_app(engine, [name], max_queue=FLAGS.max_queue, channel=channel,
-                          engine_factory=None if multi else make_engine)
+                          engine_factory=None if multi else make_engine,
+                          scorer=None if multi else Scorer(load_for_scoring), max_body_bytes=FLAGS.max_request_bytes)
   del engine   # the engine thread owns it from here
 
   sock = socket.socket(socket.AF_INET6 if ":" in FLAGS.host else socket.AF_INET, socket.SOCK_STREAM)

@@ -207,6 +207,81 @@ def test_stop_and_seed(server, client):
   assert a == b
 
 
+def test_stop_string_across_a_token_boundary(client):
+  base = client.completions.create(model="tiny", prompt="w4 w8", max_tokens=10, temperature=0,
+                                   extra_body={"ignore_eos": True})
+  text = base.choices[0].text
+  words = text.split()
+  assert len(words) >= 4
+  stop = f"{words[1][-1]} {words[2][:2]}"    # the end of one token's word and the start of the next one's
+  cut = text.index(stop)
+  r = client.completions.create(model="tiny", prompt="w4 w8", max_tokens=10, temperature=0, stop=stop,
+                                extra_body={"ignore_eos": True})
+  assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[:cut]
+
+
+def test_n_choices_seed_i_plus_one(client):
+  kw = dict(model="tiny", prompt="w1 w2", max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True})
+  one = [client.completions.create(seed=s, **kw).choices[0].text for s in (11, 12, 13)]
+  three = client.completions.create(seed=11, n=3, **kw)
+  assert [c.index for c in three.choices] == [0, 1, 2]
+  assert [c.text for c in three.choices] == one
+  assert three.usage.completion_tokens == 18
+  assert len(set(one)) > 1   # the seeds matter (else this test would prove nothing)
+
+
+def test_logprobs_match_transformers(client, model_dir):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  import numpy as np
+  hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+  prompt_ids = [7, 8, 9, 10]
+  r = client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=6, temperature=0.9, seed=3, logprobs=3,
+                                extra_body={"ignore_eos": True, "return_token_ids": True})
+  out = r.choices[0].model_extra["token_ids"]
+  with torch.no_grad():
+    logits = hf(torch.tensor([prompt_ids + out])).logits[0].double()
+  ref = torch.log_softmax(logits, -1).numpy()[len(prompt_ids) - 1:-1]
+  lp = r.choices[0].logprobs
+  np.testing.assert_allclose(lp.token_logprobs, [ref[j, t] for j, t in enumerate(out)], atol=2e-4)
+  for j, top in enumerate(lp.top_logprobs):
+    assert len(top) == 3
+    np.testing.assert_allclose(sorted(top.values(), reverse=True), np.sort(ref[j])[::-1][:3], atol=2e-4)
+  # Chat format, greedy: each sampled token is its row's most likely one.
+  c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w2 w3"}], max_tokens=5,
+                                     temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+  content = c.choices[0].logprobs.content
+  assert len(content) == 5
+  for t in content:
+    assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+    assert t.logprob <= 0 and t.top_logprobs[1].logprob <= t.logprob
+
+
+@pytest.mark.parametrize("field,value", [("presence_penalty", 0.5), ("logit_bias", {"3": 5}), ("best_of", 2),
+                                         ("suffix", "x"), ("frequency_penalty", 1.0)])
+def test_openai_client_sees_refused_fields(client, field, value):
+  with pytest.raises(openai.BadRequestError) as e:
+    client.completions.create(model="tiny", prompt="w1", max_tokens=2, **{field: value})
+  assert e.value.body["param"] == field and field in e.value.body["message"]
+  with pytest.raises(openai.BadRequestError) as e:
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w1"}], max_tokens=2,
+                                   response_format={"type": "json_object"})
+  assert e.value.body["param"] == "response_format"
+  with pytest.raises(openai.BadRequestError) as e:
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w1"}], max_tokens=2,
+                                   tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+  assert e.value.body["param"] == "tools"
+
+
+def test_models_retrieve_and_lone_surrogate(server, client):
+  assert client.models.retrieve("tiny").id == "tiny"
+  with pytest.raises(openai.NotFoundError):
+    client.models.retrieve("nope")
+  r = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny", "prompt": "w1 \\ud800"}',
+                 headers={"content-type": "application/json"}, timeout=30)
+  assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_unicode", r.text
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 BAD = [
@@ -346,16 +421,17 @@ def test_overload_rejects_with_429_and_loses_nothing(server):
   async def one(c, i):
     r = await c.post(server.url + "/v1/completions", json={
         "model": "tiny", "prompt": f"w{i + 1} w2", "max_tokens": 24, "temperature": 0, "ignore_eos": True})
-    return r.status_code, r.json()
+    return r.status_code, r.json(), r.headers
 
   async def burst():
     async with httpx.AsyncClient(timeout=120) as c:
       return await asyncio.gather(*(one(c, i) for i in range(3 * MAX_QUEUE)))
 
   results = asyncio.run(asyncio.wait_for(burst(), 180))
-  ok = [b for s, b in results if s == 200]
-  rejected = [b for s, b in results if s == 429]
-  assert len(ok) + len(rejected) == len(results), [s for s, _ in results]
+  ok = [b for s, b, _ in results if s == 200]
+  rejected = [b for s, b, _ in results if s == 429]
+  assert all(h.get("retry-after") == "1" for s, _, h in results if s == 429)
+  assert len(ok) + len(rejected) == len(results), [s for s, _, _ in results]
   assert len(ok) >= 1 and len(rejected) >= 1
   for b in ok:
     assert b["usage"]["completion_tokens"] == 24 and b["choices"][0]["finish_reason"] == "length"
