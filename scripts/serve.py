@@ -9,13 +9,15 @@ Routes: POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1
 GET /metrics (Prometheus). One engine thread owns the engine and steps continuously; every engine
 setting is a flag (see superinfer_jax/engine/config.py; --helpfull lists them). --max_queue bounds the
 requests accepted and not yet finished: beyond it the server answers 429. SIGINT / SIGTERM: the server
-stops accepting, lets in-flight requests finish for up to --shutdown_timeout seconds, cancels the rest and
-exits 0. docs/serving.md has the details.
+answers 503 (Retry-After) to new requests, lets the admitted ones finish for up to --shutdown_timeout
+seconds, aborts the rest (each stream ends with finish_reason abort, an error event and [DONE]) and exits 0;
+a second signal stops it at once. docs/serving.md has the details.
 
 Multi-host: run it on every host with the same flags plus --coordinator_address/--num_processes/--process_id
 (docs/parallel.md). Process 0 serves HTTP; the others run the engine loop on process 0's broadcast events
 and exit when process 0 stops.
 """
+import json
 import logging
 import os
 import signal
@@ -40,7 +42,8 @@ flags.DEFINE_integer("port", 8000, "port to bind (0: any free port; see --port_f
 flags.DEFINE_string("port_file", None, "write the bound port to this file once the server listens")
 flags.DEFINE_integer("max_queue", 256, "max requests accepted and not finished; beyond it: HTTP 429")
 flags.DEFINE_integer("max_request_bytes", 4 << 20, "largest request body accepted; beyond it: HTTP 413")
-flags.DEFINE_float("shutdown_timeout", 10.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM")
+flags.DEFINE_float("shutdown_timeout", 10.0, "seconds admitted requests get to finish on SIGINT/SIGTERM (503 to "
+                   "new ones meanwhile); then the rest are aborted")
 flags.DEFINE_bool("precompile", False, "compile every step shape before serving")
 flags.DEFINE_string("log_level", "info", "uvicorn / server log level")
 flags.DEFINE_float("switch_interval", 0.0005, "Python's thread switch interval (s): the engine thread and the "
@@ -126,29 +129,68 @@ def main(argv):
     print(f"error: cannot bind {FLAGS.host}:{FLAGS.port}: {e}", file=sys.stderr)
     return 2
   port = sock.getsockname()[1]
-  cfg = uvicorn.Config(application, log_level=FLAGS.log_level, timeout_graceful_shutdown=FLAGS.shutdown_timeout,
-                       access_log=False)
-  server = uvicorn.Server(cfg)
+  # The app drains itself before uvicorn shuts down (below): by then every request has ended.
+  cfg = uvicorn.Config(application, log_level=FLAGS.log_level, timeout_graceful_shutdown=5, access_log=False)
+  server = _draining_server_class()(cfg, application.state.drain, FLAGS.shutdown_timeout)
   print(f"[serve] {name} on http://{FLAGS.host}:{port}/v1 {banner}", flush=True)
   if FLAGS.port_file:
     tmp = FLAGS.port_file + ".tmp"
     with open(tmp, "w") as f:
       f.write(str(port))
     os.replace(tmp, FLAGS.port_file)
-  # uvicorn handles SIGINT / SIGTERM itself (stop accepting, let requests finish for --shutdown_timeout s,
-  # cancel the rest, run the app's shutdown, which stops the engine thread) and then re-raises the signal
-  # under the handlers it found: make those note it, so the process exits 0 after a clean shutdown.
-  stop_signals = []
+  # A second signal during the drain is uvicorn's: it shuts down at once and re-raises the signal under the
+  # handlers it found, which only note it, so the process still exits 0.
   for sig in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(sig, lambda s, _f: stop_signals.append(s))
+    signal.signal(sig, lambda s, _f: None)
   server.run(sockets=[sock])
-  print(f"[serve] stopped{' on ' + signal.Signals(stop_signals[0]).name if stop_signals else ''}", flush=True)
+  if server.drained is not None:
+    print(f"[serve] drained: {json.dumps(server.drained, sort_keys=True)}", flush=True)
+  sig = server.drain_signal
+  print(f"[serve] stopped{' on ' + signal.Signals(sig).name if sig is not None else ''}", flush=True)
   if multi:
     worker = application.state.server_state["worker"]
     _report(worker.engine, channel)
     if worker.fatal is not None:
       return 1
   return 0
+
+
+def _draining_server_class():
+  import asyncio  # pylint: disable=import-outside-toplevel
+  import uvicorn  # pylint: disable=import-outside-toplevel
+
+  class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGINT / SIGTERM drains the app (``app.state.drain``: 503 to new requests,
+    ``shutdown_timeout`` s for the admitted ones, then aborts with a final event) before uvicorn shuts down;
+    a second signal is uvicorn's own (immediate) shutdown."""
+
+    def __init__(self, config, drain, shutdown_timeout: float):
+      super().__init__(config)
+      self._drain, self._timeout = drain, shutdown_timeout
+      self._loop = None
+      self.drain_signal = None
+      self.drained = None
+
+    async def startup(self, sockets=None):
+      self._loop = asyncio.get_running_loop()
+      await super().startup(sockets=sockets)
+
+    def handle_exit(self, sig, frame):
+      if self.drain_signal is not None or self._loop is None:
+        super().handle_exit(sig, frame)
+        return
+      self.drain_signal = sig
+      print(f"[serve] {signal.Signals(sig).name}: draining (503 to new requests, {self._timeout:g} s for the "
+            "admitted ones)", flush=True)
+      self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit()))
+
+    async def _drain_then_exit(self):
+      try:
+        self.drained = await self._drain(self._timeout)
+      finally:
+        self.should_exit = True
+
+  return DrainingServer
 
 
 def _follow(engine, channel) -> int:

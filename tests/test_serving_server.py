@@ -450,43 +450,59 @@ def test_overload_rejects_with_429_and_loses_nothing(server):
 
 # ----------------------------------------------------------------------------------------- shutdown
 
-def test_sigterm_cancels_inflight_and_exits_cleanly(model_dir, tmp_path):
-  s = Server(model_dir, str(tmp_path), extra=["--shutdown_timeout=0.1"])
+def _stream_lines(url, body, got, started):
   try:
-    got = {}
-    started = threading.Event()
+    with httpx.Client(timeout=60) as c:
+      with c.stream("POST", url + "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+          if line:
+            got.append(line)
+            started.set()
+  finally:
+    started.set()
 
-    def stream():
-      lines = got.setdefault("lines", [])
-      try:
-        with httpx.Client(timeout=60) as c:
-          with c.stream("POST", s.url + "/v1/completions", json={
-              "model": "tiny", "prompt": "w1", "max_tokens": 500, "temperature": 0, "stream": True,
-              "ignore_eos": True}) as r:
-            for line in r.iter_lines():
-              if line:
-                lines.append(line)
-                started.set()
-      except httpx.HTTPError as e:   # the connection closed under the stream: also an ending
-        got["error"] = repr(e)
-      finally:
-        started.set()
 
-    t = threading.Thread(target=stream)
-    t.start()
-    assert started.wait(60)
+def test_sigterm_drains_finishes_short_requests_and_ends_long_ones_with_a_final_event(model_dir, tmp_path):
+  s = Server(model_dir, str(tmp_path), extra=["--shutdown_timeout=2"])
+  try:
+    runs = {}
+    for name, n in (("long", 600), ("short", 40)):
+      got, started = [], threading.Event()
+      t = threading.Thread(target=_stream_lines, args=(s.url, {
+          "model": "tiny", "prompt": "w1", "max_tokens": n, "temperature": 0, "stream": True, "ignore_eos": True},
+          got, started))
+      t.start()
+      assert started.wait(60)
+      runs[name] = (t, got)
     s.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while True:   # draining: new requests and /health get 503 with Retry-After
+      r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "w1", "max_tokens": 2}, timeout=10)
+      if r.status_code == 503:
+        break
+      assert time.monotonic() < deadline, r.text
+      time.sleep(0.05)
+    assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "unavailable"
+    h = httpx.get(s.url + "/health", timeout=10)
+    assert h.status_code == 503 and h.json()["status"] == "draining"
     rc = s.proc.wait(60)
-    t.join(60)
-    assert not t.is_alive()
-    assert rc == 0, s.output()
-    assert "[serve] stopped on SIGTERM" in s.output()
-    lines = got["lines"]
-    assert lines and lines[0].startswith("data: ")
-    if lines[-1] == "data: [DONE]":
-      # It ended in-band: the last event before [DONE] is an error or the finished chunk.
-      last = json.loads(lines[-2][len("data: "):])
-      assert "error" in last or last["choices"][0]["finish_reason"]
+    for t, _ in runs.values():
+      t.join(60)
+      assert not t.is_alive()
+    out = s.output()
+    assert rc == 0, out
+    assert "[serve] stopped on SIGTERM" in out
+    short = [json.loads(l[6:]) for l in runs["short"][1] if l.startswith("data: {")]
+    assert runs["short"][1][-1] == "data: [DONE]" and short[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(len(c["choices"][0]["text"].split()) for c in short) == 40
+    long_lines = runs["long"][1]
+    assert long_lines[-1] == "data: [DONE]", long_lines[-3:]
+    assert json.loads(long_lines[-2][6:])["error"]["code"] == "unavailable"
+    assert json.loads(long_lines[-3][6:])["choices"][0]["finish_reason"] == "abort"
+    drained = json.loads(out.split("[serve] drained: ")[1].splitlines()[0])
+    assert drained["aborted"] == 1 and drained["admitted"] == 0 and drained["invariants"] == "ok"
+    assert drained["device_blocks_free"] == drained["device_blocks"] == 40
+    assert drained["host_blocks_free"] == drained["host_blocks"]
   finally:
     s.stop()
 

@@ -101,6 +101,15 @@ def context_of(engine: Any) -> int:
   return P.served_context(engine.max_model_len, nb, engine.config.block_size, engine.config.model.max_model_len)
 
 
+def _pools(eng: Any) -> dict:
+  """The block manager's invariant check and pools, and the requests per state (run in the engine thread)."""
+  eng.block_manager.check_invariants()
+  bm, sch = eng.block_manager, eng.scheduler
+  return {"invariants": "ok", "waiting": sch.num_waiting, "running": sch.num_running, "rotary": sch.num_rotary,
+          "device_blocks_free": bm.num_free_device_blocks, "device_blocks": bm.num_device_blocks,
+          "host_blocks_free": bm.num_free_host_blocks, "host_blocks": bm.num_host_blocks}
+
+
 def build_app(engine: Any, served_model_names: Sequence[str], *, max_queue: int = 256,
               engine_factory=None, disconnect_poll_s: float = 0.1, channel=None,
               scorer: Optional[Callable[[list[int]], Any]] = None,
@@ -140,7 +149,31 @@ def build_app(engine: Any, served_model_names: Sequence[str], *, max_queue: int 
       score_pool.shutdown(wait=False, cancel_futures=True)
       prep_pool.shutdown(wait=False, cancel_futures=True)
 
+  async def drain(timeout: float, poll_s: float = 0.05) -> dict:
+    """Graceful drain: from now on requests get 503 (``Retry-After``) and ``/health`` 503 "draining"; the
+    admitted requests get ``timeout`` seconds to finish, then the rest are aborted (a stream ends with a
+    chunk per unfinished choice with finish_reason abort, the 503 error event and ``[DONE]``; a non-streamed
+    request gets the 503). Returns the block manager's pools once every handler is done (``probe``)."""
+    worker: EngineWorker = state["worker"]
+    state["draining"] = True
+    loop = asyncio.get_running_loop()
+    n = worker.num_admitted
+    log.info("draining: %d requests admitted; %.1f s to finish", n, timeout)
+    deadline = loop.time() + timeout
+    while worker.num_admitted and loop.time() < deadline:
+      await asyncio.sleep(poll_s)
+    aborted = worker.num_admitted
+    if aborted:
+      log.info("drain: aborting the %d requests still admitted", aborted)
+      worker.abort_all()
+      deadline = loop.time() + 10.0
+      while worker.num_admitted and loop.time() < deadline:
+        await asyncio.sleep(poll_s)
+    pools = await worker.call(_pools) if worker.alive else {}
+    return dict(pools, admitted_at_start=n, aborted=aborted, admitted=worker.num_admitted)
+
   app = FastAPI(title="superinfer-jax", lifespan=lifespan)
+  app.state.drain = drain
   app.state.metrics = metrics
   app.state.server_state = state
 
@@ -160,18 +193,14 @@ def build_app(engine: Any, served_model_names: Sequence[str], *, max_queue: int 
     worker: EngineWorker = state["worker"]
     if not worker.alive:
       return JSONResponse({"status": "unavailable", "error": worker.fatal}, status_code=503)
+    if state.get("draining"):
+      return JSONResponse({"status": "draining", "admitted": worker.num_admitted}, status_code=503,
+                          headers={"Retry-After": str(RETRY_AFTER_S)})
     out: dict[str, Any] = {"status": "ok", "admitted": worker.num_admitted, "max_queue": worker.max_queue,
                            "step_errors": worker.step_errors}
     if check:
-      def probe(eng):
-        eng.block_manager.check_invariants()
-        bm, sch = eng.block_manager, eng.scheduler
-        return {"invariants": "ok", "waiting": sch.num_waiting, "running": sch.num_running,
-                "rotary": sch.num_rotary, "device_blocks_free": bm.num_free_device_blocks,
-                "device_blocks": bm.num_device_blocks, "host_blocks_free": bm.num_free_host_blocks,
-                "host_blocks": bm.num_host_blocks}
       try:
-        out.update(await worker.call(probe))
+        out.update(await worker.call(_pools))
       except Exception as e:  # pylint: disable=broad-except
         return JSONResponse({"status": "error", "invariants": f"{type(e).__name__}: {e}"}, status_code=500)
     return out
@@ -279,6 +308,8 @@ def build_app(engine: Any, served_model_names: Sequence[str], *, max_queue: int 
   async def _generate(request: Request, kind: str):
     worker: EngineWorker = state["worker"]
     try:
+      if state.get("draining"):
+        raise P.APIError(503, "the server is shutting down", type="server_error", code="unavailable")
       raw = await _read_body(request)
       req, prompt_ids, params = await asyncio.get_running_loop().run_in_executor(prep_pool, _prepare, raw, kind)
       if req.logprobs is not None and scorer is None:
@@ -339,7 +370,10 @@ def build_app(engine: Any, served_model_names: Sequence[str], *, max_queue: int 
           first[i] = False
       while not choices.all_final:
         i, ev_kind, ev = await choices.events.get()
-        if ev_kind == "error":
+        if ev_kind == "error":   # every unfinished choice ends with finish_reason abort, then the error
+          for j, final in enumerate(choices.final):
+            if not final:
+              yield P.sse(P.chunk(req, created, "" if req.kind == "completion" else None, [], "abort", index=j))
           choices.final[i] = True
           yield P.sse(ev.body())
           break

@@ -7,6 +7,7 @@ HTTP handlers (asyncio) talk to it only through ``EngineWorker``'s methods, whic
   ``("output", RequestOutput)`` per step with new tokens (the last one has ``finished``),
   ``("error", APIError)`` when it fails (rejected by the engine: 400; a step raised: 500).
 * ``abort(request_id)`` (client gone) puts an "abort" command; the request's blocks are freed at once.
+* ``abort_all()`` (the end of a graceful drain) aborts every live request, each with a 503 error event.
 * ``call(fn)`` runs ``fn(engine)`` in the engine thread between steps and returns a future (metrics
   snapshots, invariant checks).
 
@@ -112,6 +113,10 @@ class EngineWorker:
   def abort(self, request_id: str) -> None:
     self._cmds.put(("abort", request_id))
 
+  def abort_all(self) -> None:
+    """Aborts every live request as a shutdown would (each gets a 503 error event), without stopping."""
+    self._cmds.put(("abort_all",))
+
   def call(self, fn: Callable[[Any], Any]) -> "asyncio.Future":
     """Runs ``fn(engine)`` in the engine thread; an awaitable of its result."""
     fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -189,6 +194,11 @@ class EngineWorker:
           del live[cmd[1]]
       elif kind == "call":
         self._calls.append(cmd)
+      elif kind == "abort_all":
+        for rid in live:
+          events.append(AbortEvent(rid, shutdown=True))
+          queues.append(None)
+        live.clear()
     if stopping:
       for rid in live:
         events.append(AbortEvent(rid, shutdown=True))
