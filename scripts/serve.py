@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import sys
+import time
 
 from absl import app, flags
 
@@ -44,7 +45,8 @@ flags.DEFINE_integer("max_queue", 256, "max requests accepted and not finished; 
 flags.DEFINE_integer("max_request_bytes", 4 << 20, "largest request body accepted; beyond it: HTTP 413")
 flags.DEFINE_float("shutdown_timeout", 10.0, "seconds admitted requests get to finish on SIGINT/SIGTERM (503 to "
                    "new ones meanwhile); then the rest are aborted")
-flags.DEFINE_bool("precompile", False, "compile every step shape before serving")
+flags.DEFINE_bool("precompile", False, "compile every step shape before serving (in the engine thread once the "
+                  "server listens; /health answers 503 until done, with progress in the log)")
 flags.DEFINE_string("log_level", "info", "uvicorn / server log level")
 flags.DEFINE_float("switch_interval", 0.0005, "Python's thread switch interval (s): the engine thread and the "
                    "event loop share the GIL; the default 5 ms would delay steps behind HTTP work")
@@ -84,6 +86,8 @@ def main(argv):
   def make_engine():
     return LLMEngine(FLAGS.model, config)
 
+  t0 = time.monotonic()
+  print(f"[serve] loading {FLAGS.model} and allocating the KV pools", flush=True)
   try:
     engine = make_engine()
   except (ValueError, FileNotFoundError) as e:
@@ -94,16 +98,18 @@ def main(argv):
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  if FLAGS.precompile:
-    engine.precompile_rotation()
-    engine.precompile_steps()
-  freeze_heap()   # the engine serves for the process's life; a rebuild unfreezes first (serving/worker.py)
+  print(f"[serve] engine built in {time.monotonic() - t0:.1f} s", flush=True)
+  # The engine serves for the process's life (a rebuild unfreezes first: serving/worker.py); with
+  # --precompile the heap is frozen once the engine thread has compiled, before it serves.
+  warmup = _precompile if FLAGS.precompile else None
+  if warmup is None:
+    freeze_heap()
   channel = None
   if multi:
     from superinfer_jax.parallel.events import EventChannel  # pylint: disable=import-outside-toplevel
     channel = EventChannel(idle_interval_s=FLAGS.idle_broadcast_interval)
     if not is_primary():
-      return _follow(engine, channel)
+      return _follow(engine, channel, warmup)
   name = FLAGS.served_model_name or _served_name(FLAGS.model)
   capped = (f", capped from the model's {engine.max_model_len} to what the KV pool holds for one sequence"
             if context < engine.max_model_len else "")
@@ -118,7 +124,8 @@ def main(argv):
 
   application = build_app(engine, [name], max_queue=FLAGS.max_queue, channel=channel,
                           engine_factory=None if multi else make_engine,
-                          scorer=None if multi else Scorer(load_for_scoring), max_body_bytes=FLAGS.max_request_bytes)
+                          scorer=None if multi else Scorer(load_for_scoring), max_body_bytes=FLAGS.max_request_bytes,
+                          warmup=warmup)
   del engine   # the engine thread owns it from here
 
   sock = socket.socket(socket.AF_INET6 if ":" in FLAGS.host else socket.AF_INET, socket.SOCK_STREAM)
@@ -193,7 +200,39 @@ def _draining_server_class():
   return DrainingServer
 
 
-def _follow(engine, channel) -> int:
+def _precompile(engine) -> None:
+  """The engine thread's warm-up with --precompile (every process alike): the rotation buckets, then every
+  step shape, logging progress every 5 s (shapes compiled of the token buckets to do); then freezes the
+  heap. The server answers 503 until it is done."""
+  import threading  # pylint: disable=import-outside-toplevel
+  c = engine.config
+  floor, top = c.token_bucket_floor, c.scheduler.max_num_batched_tokens
+  buckets = 1
+  while floor < top:
+    floor, buckets = 2 * floor, buckets + 1
+  t0, done = time.monotonic(), threading.Event()
+  before = engine.num_compiled_shapes()
+
+  def heartbeat():
+    while not done.wait(5.0):
+      print(f"[serve] precompiling: {engine.num_compiled_shapes() - before} of {buckets} step shapes compiled "
+            f"({time.monotonic() - t0:.0f} s)", flush=True)
+
+  print(f"[serve] precompiling the rotation buckets and {buckets} step shapes; /health answers 503 until "
+        "done", flush=True)
+  threading.Thread(target=heartbeat, name="precompile-progress", daemon=True).start()
+  try:
+    engine.precompile_rotation()
+    print(f"[serve] precompiled the rotation buckets ({time.monotonic() - t0:.1f} s)", flush=True)
+    engine.precompile_steps()
+  finally:
+    done.set()
+  print(f"[serve] precompiled {engine.num_compiled_shapes() - before} step shapes in {time.monotonic() - t0:.1f} s;"
+        " ready", flush=True)
+  freeze_heap()
+
+
+def _follow(engine, channel, warmup) -> int:
   """Process i > 0: the engine loop on process 0's events until process 0 stops. A signal here is noted
   and waited out (process 0 decides when every process stops; if it died, the next collective fails)."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -203,7 +242,7 @@ def _follow(engine, channel) -> int:
     signal.signal(sig, lambda s, _f: print(f"[serve] process {pid}: {signal.Signals(s).name} noted; stopping "
                                            "when process 0 does", flush=True))
   print(f"[serve] process {pid}: running the engine on process 0's requests", flush=True)
-  worker = EngineWorker(engine, None, channel=channel)
+  worker = EngineWorker(engine, None, channel=channel, warmup=warmup)
   try:
     worker.follow()
   except RuntimeError as e:

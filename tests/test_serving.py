@@ -4,6 +4,7 @@ import gc
 import json
 import os
 import logging
+import time
 import types
 
 import pytest
@@ -291,3 +292,27 @@ def test_n_choices_logprobs_and_model_retrieve_over_fake_engine():
   with TestClient(build_app(FakeEngine(), ["fake"], max_queue=8)) as c:   # no scorer: logprobs refused
     r = _post(c, {"prompt": [1], "max_tokens": 2, "logprobs": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def test_health_and_requests_answer_503_until_the_warmup_is_done():
+  import threading
+  go = threading.Event()
+  warmed = []
+
+  def warmup(eng):
+    assert go.wait(30)
+    warmed.append(eng)
+
+  eng = FakeEngine()
+  with TestClient(build_app(eng, ["fake"], max_queue=8, warmup=warmup)) as c:
+    h = c.get("/health")
+    assert h.status_code == 503 and h.json()["status"] == "starting" and h.headers["retry-after"] == "1"
+    r = _post(c, {"prompt": [1], "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable" and r.headers["retry-after"] == "1"
+    go.set()
+    for _ in range(300):
+      if c.get("/health").status_code == 200:
+        break
+      time.sleep(0.01)
+    assert warmed == [eng] and c.get("/health").json()["status"] == "ok"
+    assert _post(c, {"prompt": [1], "max_tokens": 2}).status_code == 200

@@ -60,9 +60,12 @@ class Server:
     with open(self.port_file) as f:
       self.port = int(f.read())
     self.url = f"http://127.0.0.1:{self.port}"
+    self.health_seen = []   # the /health statuses answered while starting
     while True:
       try:
-        if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+        status = httpx.get(self.url + "/health", timeout=5).status_code
+        self.health_seen.append(status)
+        if status == 200:
           break
       except httpx.HTTPError:
         pass
@@ -182,6 +185,18 @@ def test_chat_without_max_tokens_gets_the_rest_of_the_pool_capped_context(client
                                      temperature=0, extra_body={"ignore_eos": True})
   assert r.choices[0].finish_reason == "length" and r.choices[0].message.content
   assert r.usage.prompt_tokens + r.usage.completion_tokens == POOL_TOKENS
+
+
+def test_precompile_logs_progress_and_health_is_503_until_ready(model_dir, tmp_path):
+  s = Server(model_dir, str(tmp_path), extra=["--precompile"])
+  try:
+    out = s.output()
+    assert 503 in s.health_seen and s.health_seen[-1] == 200, s.health_seen
+    assert "[serve] precompiling the rotation buckets and" in out and "step shapes in" in out and "ready" in out
+    r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "w1 w2", "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200
+  finally:
+    s.stop()
 
 
 def test_max_model_len_beyond_the_pool_is_a_one_line_startup_error(model_dir, tmp_path):
@@ -463,10 +478,10 @@ def _stream_lines(url, body, got, started):
 
 
 def test_sigterm_drains_finishes_short_requests_and_ends_long_ones_with_a_final_event(model_dir, tmp_path):
-  s = Server(model_dir, str(tmp_path), extra=["--shutdown_timeout=2"])
+  s = Server(model_dir, str(tmp_path), extra=["--shutdown_timeout=1"])
   try:
     runs = {}
-    for name, n in (("long", 600), ("short", 40)):
+    for name, n in (("long", 620), ("short", 20)):
       got, started = [], threading.Event()
       t = threading.Thread(target=_stream_lines, args=(s.url, {
           "model": "tiny", "prompt": "w1", "max_tokens": n, "temperature": 0, "stream": True, "ignore_eos": True},
@@ -494,10 +509,10 @@ def test_sigterm_drains_finishes_short_requests_and_ends_long_ones_with_a_final_
     assert "[serve] stopped on SIGTERM" in out
     short = [json.loads(l[6:]) for l in runs["short"][1] if l.startswith("data: {")]
     assert runs["short"][1][-1] == "data: [DONE]" and short[-1]["choices"][0]["finish_reason"] == "length"
-    assert sum(len(c["choices"][0]["text"].split()) for c in short) == 40
+    assert sum(len(c["choices"][0]["text"].split()) for c in short) == 20
     long_lines = runs["long"][1]
     assert long_lines[-1] == "data: [DONE]", long_lines[-3:]
-    assert json.loads(long_lines[-2][6:])["error"]["code"] == "unavailable"
+    assert json.loads(long_lines[-2][6:])["error"]["code"] == "unavailable", long_lines[-3:]
     assert json.loads(long_lines[-3][6:])["choices"][0]["finish_reason"] == "abort"
     drained = json.loads(out.split("[serve] drained: ")[1].splitlines()[0])
     assert drained["aborted"] == 1 and drained["admitted"] == 0 and drained["invariants"] == "ok"

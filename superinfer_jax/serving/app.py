@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP app (FastAPI on uvicorn): routes, streaming, disconnects, errors.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as server-sent events ending in
-``data: [DONE]``, or one JSON body), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` (``?check=1`` also checks the
-block manager's invariants in the engine thread and reports the pools), ``GET /metrics`` (Prometheus).
+``data: [DONE]``, or one JSON body), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` (503
+until the engine has warmed up and while draining, 200 when it serves; ``?check=1`` also checks the block
+manager's invariants in the engine thread and reports the pools), ``GET /metrics`` (Prometheus).
+
 Every request field is honoured or refused (``protocol.FIELDS``; docs/serving.md has the table and the
 errors). A request with ``n`` > 1 is ``n`` engine requests (choice i seeded ``seed + i``); ``logprobs`` are
 computed once a choice has finished, by scoring its tokens with the model (``logprobs.py``) in a thread of
@@ -113,11 +115,14 @@ def _pools(eng: Any) -> dict:
 def build_app(engine: Any, served_model_names: Sequence[str], *, max_queue: int = 256,
               engine_factory=None, disconnect_poll_s: float = 0.1, channel=None,
               scorer: Optional[Callable[[list[int]], Any]] = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              warmup: Optional[Callable[[Any], None]] = None) -> FastAPI:
   """The app over ``engine`` (an ``LLMEngine``); the engine thread starts with the app's lifespan.
   ``channel``: process 0's ``parallel.events.EventChannel`` in a multi-process run (``worker.py``).
   ``scorer``: ``token ids -> [len, vocab]`` next-token logits (``logprobs.Scorer``), run off the event loop
-  for ``logprobs``; without one, ``logprobs`` is refused. ``max_body_bytes``: a larger body gets a 413."""
+  for ``logprobs``; without one, ``logprobs`` is refused. ``max_body_bytes``: a larger body gets a 413.
+  ``warmup(engine)``: run in the engine thread once the server listens (precompilation); until it is done
+  ``/health`` and requests answer 503 with ``Retry-After``."""
   names = list(served_model_names)
   tokenizer = engine.tokenizer
   max_model_len = context_of(engine)
@@ -133,7 +138,7 @@ def build_app(engine: Any, served_model_names: Sequence[str], *, max_queue: int 
   async def lifespan(app):
     eng = state.pop("engine")
     worker = EngineWorker(eng, asyncio.get_running_loop(), max_queue=max_queue, metrics=metrics,
-                          engine_factory=engine_factory, channel=channel)
+                          engine_factory=engine_factory, channel=channel, warmup=warmup)
     metrics._admitted = lambda: worker.num_admitted  # pylint: disable=protected-access
     metrics.after_step(eng)
     del eng
@@ -193,6 +198,9 @@ def build_app(engine: Any, served_model_names: Sequence[str], *, max_queue: int 
     worker: EngineWorker = state["worker"]
     if not worker.alive:
       return JSONResponse({"status": "unavailable", "error": worker.fatal}, status_code=503)
+    if not worker.ready:
+      return JSONResponse({"status": "starting", "detail": "the engine is warming up (compiling step shapes)"},
+                          status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
     if state.get("draining"):
       return JSONResponse({"status": "draining", "admitted": worker.num_admitted}, status_code=503,
                           headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -310,6 +318,9 @@ def build_app(engine: Any, served_model_names: Sequence[str], *, max_queue: int 
     try:
       if state.get("draining"):
         raise P.APIError(503, "the server is shutting down", type="server_error", code="unavailable")
+      if not worker.ready:
+        raise P.APIError(503, "the server is starting: the engine is warming up (GET /health says when it is "
+                              "ready)", type="server_error", code="unavailable")
       raw = await _read_body(request)
       req, prompt_ids, params = await asyncio.get_running_loop().run_in_executor(prep_pool, _prepare, raw, kind)
       if req.logprobs is not None and scorer is None:
