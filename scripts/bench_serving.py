@@ -209,7 +209,7 @@ def main(argv):
           num_rotations=_delta(before, after, 'superinfer_rotations_total{direction="out"}'),
           swap_out_bytes=_delta(before, after, 'superinfer_kv_bytes_moved_total{direction="d2h"}') or 0,
           swap_in_bytes=_delta(before, after, 'superinfer_kv_bytes_moved_total{direction="h2d"}') or 0,
-          num_recompute_preemptions=_delta(before, after, "superinfer_recompute_preemptions_total"),
+          num_recompute_preemptions=_delta(before, after, "superinfer_num_preemptions_total"),
           extra={"base_url": FLAGS.base_url, "endpoint": FLAGS.endpoint, "repeat": rep, "dataset": spec.dataset,
                  "seed": spec.seed, "num_errors": len(errors), "errors": [list(e) for e in errors[:20]]})
       M.append_results_row(results_path, row)

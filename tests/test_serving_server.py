@@ -347,6 +347,21 @@ def test_openai_client_sees_errors(client):
 
 # ------------------------------------------------------------------------- disconnect and overload
 
+def test_token_counters_and_latency_histograms(server, client):
+  before = _metrics(server)
+  r = client.completions.create(model="tiny", prompt="w1 w2 w3 w4", max_tokens=7, temperature=0,
+                                extra_body={"ignore_eos": True})
+  assert r.usage.completion_tokens == 7
+  after = _metrics(server)
+  d = lambda k: after.get(k, 0.0) - before.get(k, 0.0)  # noqa: E731
+  assert d("superinfer_prompt_tokens_total") == 4 and d("superinfer_generation_tokens_total") == 7
+  for h, n in (("time_to_first_token", 1), ("inter_token_latency", 6), ("e2e_request_latency", 1),
+               ("request_queue_time", 1)):
+    assert d(f"superinfer_{h}_seconds_count") == n, h
+  assert 0 <= d("superinfer_request_queue_time_seconds_sum") <= d("superinfer_time_to_first_token_seconds_sum")
+  assert d("superinfer_time_to_first_token_seconds_sum") <= d("superinfer_e2e_request_latency_seconds_sum")
+
+
 def test_disconnect_mid_stream_frees_blocks(server):
   before = _metrics(server).get('superinfer_requests_finished_total{reason="abort"}', 0.0)
   body = {"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 480, "temperature": 0, "stream": True,
@@ -364,8 +379,8 @@ def test_disconnect_mid_stream_frees_blocks(server):
   while True:
     m = _metrics(server)
     if (m.get('superinfer_requests_finished_total{reason="abort"}', 0.0) > before
-        and m['superinfer_device_blocks{kind="used"}'] == 0 and m['superinfer_requests{state="running"}'] == 0
-        and m["superinfer_requests_admitted"] == 0):
+        and m['superinfer_device_blocks{kind="used"}'] == 0 and m["superinfer_num_requests_running"] == 0
+        and m["superinfer_num_requests_admitted"] == 0):
       break
     assert time.monotonic() < deadline, m
     time.sleep(0.2)
@@ -378,7 +393,7 @@ def _wait_idle_after_aborts(server, before, at_least=1):
   while True:
     m = _metrics(server)
     if (m.get('superinfer_requests_finished_total{reason="abort"}', 0.0) >= before + at_least
-        and m['superinfer_device_blocks{kind="used"}'] == 0 and m["superinfer_requests_admitted"] == 0):
+        and m['superinfer_device_blocks{kind="used"}'] == 0 and m["superinfer_num_requests_admitted"] == 0):
       return m
     assert time.monotonic() < deadline, m
     time.sleep(0.2)
@@ -456,11 +471,11 @@ def test_overload_rejects_with_429_and_loses_nothing(server):
   assert h["admitted"] == 0 and h["device_blocks_free"] == h["device_blocks"]
   m = _metrics(server)
   assert m['superinfer_requests_rejected_total{reason="queue_full"}'] >= len(rejected)
-  for name in ('superinfer_requests{state="waiting"}', 'superinfer_host_blocks{kind="total"}',
+  for name in ("superinfer_num_requests_waiting", "superinfer_num_requests_rotary", 'superinfer_host_blocks{kind="total"}',
                'superinfer_rotations_total{direction="out"}', 'superinfer_kv_bytes_moved_total{direction="d2h"}',
-               "superinfer_recompute_preemptions_total", "superinfer_ttft_seconds_count",
-               "superinfer_tbt_seconds_count", "superinfer_e2e_seconds_count"):
+               "superinfer_num_preemptions_total", "superinfer_host_kv_cache_usage_perc"):
     assert name in m, name
+  assert m["superinfer_kv_cache_usage_perc"] == 0.0   # idle: nothing in the device pool
 
 
 # ----------------------------------------------------------------------------------------- shutdown

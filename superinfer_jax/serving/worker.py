@@ -253,7 +253,7 @@ class EngineWorker:
         if q is not None:
           self._sinks[rid] = q
           if self.metrics is not None:
-            self.metrics.on_arrival(rid, self.engine.get_request(rid).arrival_time)
+            self.metrics.on_arrival(rid, self.engine.get_request(rid).arrival_time, len(ev.prompt))
       else:
         rid = ev.request_id
         sink = self._sinks.pop(rid, None)
