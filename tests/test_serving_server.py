@@ -544,22 +544,39 @@ def test_bench_serving_against_server(model_dir, tmp_path):
   s = Server(model_dir, str(tmp_path), extra=["--max_queue=64", "--policy=rotasched"])
   try:
     out = tmp_path / "bench"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_serving.py"),
-                        f"--base_url={s.url}/v1", f"--model={model_dir}", "--dataset=synthetic", "--num_requests=6",
-                        "--rps=20", "--synthetic_prompt_len=uniform:8,24", "--synthetic_output_len=uniform:6,12",
-                        "--ttft_slo=5", "--tbt_slo=1", "--label=rotasched", f"--output_dir={out}"],
-                       capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "[bench] warm-up: 6/6" in r.stdout
+    timelines = out / requests_filename("rotasched", 4.0)
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "bench_serving.py"),
+                          f"--base_url={s.url}/v1", f"--model={model_dir}", "--dataset=synthetic", "--num_requests=8",
+                          "--rps=4", "--synthetic_prompt_len=uniform:8,24", "--synthetic_output_len=uniform:6,12",
+                          "--ttft_slo=5", "--tbt_slo=1", "--label=rotasched", f"--output_dir={out}",
+                          "--progress_interval=0.5"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    partial = set()   # line counts of the requests file seen while the run went on
+    deadline = time.monotonic() + 300
+    while p.poll() is None:
+      assert time.monotonic() < deadline
+      if timelines.exists() and not (out / "results.jsonl").exists():
+        partial.add(len(timelines.read_text().splitlines()))
+      time.sleep(0.05)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 0, stderr[-3000:]
+    assert partial & set(range(1, 8)), partial   # some of the 8 requests were on disk before the run ended
+    assert "[bench] warm-up: 8/8" in stdout
+    assert "[bench] rps=4 rep=0 [" in stdout and "8/8 done, 0 errors" in stdout
+    table = stdout[stdout.index("[bench] summary"):].splitlines()
+    assert table[1].startswith("| label | rps |") and "goodput req/s" in table[1]
+    assert table[3].startswith("| rotasched | 4 | 0 | 8/8 | 0 |")
     rows = read_results(str(out / "results.jsonl"))
     assert len(rows) == 1
     row = rows[0]
     validate_results_row(row)
     assert row["engine"] == "http" and row["policy"] == "rotasched" and row["model"] == "tiny"
-    assert row["num_requests"] == 6 and row["num_finished"] == 6 and row["num_errors"] == 0
+    assert row["num_requests"] == 8 and row["num_finished"] == 8 and row["num_errors"] == 0
     assert row["slo_attainment"] > 0 and row["num_rotations"] >= 0
-    tls = read_timelines(str(out / requests_filename("rotasched", 20.0)))
-    assert len(tls) == 6
+    assert row["goodput_req_s"] == pytest.approx(row["slo_attainment"] * 8 / row["duration_s"])
+    assert table[3].endswith(f"| {100 * row['slo_attainment']:.1f} | {row['goodput_req_s']:.2f} |")
+    tls = read_timelines(str(timelines))
+    assert len(tls) == 8 and [t.request_id for t in tls] == sorted((t.request_id for t in tls), key=int)
     for tl in tls:
       assert tl.finish_reason == "length" and tl.output_len == tl.target_output_len
       assert tl.token_times_s == sorted(tl.token_times_s) and tl.token_times_s[0] >= tl.arrival_s
