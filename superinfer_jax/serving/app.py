@@ -158,7 +158,8 @@ def build_app(engine: Any, served_model_names: Sequence[str], *, max_queue: int 
     """Graceful drain: from now on requests get 503 (``Retry-After``) and ``/health`` 503 "draining"; the
     admitted requests get ``timeout`` seconds to finish, then the rest are aborted (a stream ends with a
     chunk per unfinished choice with finish_reason abort, the 503 error event and ``[DONE]``; a non-streamed
-    request gets the 503). Returns the block manager's pools once every handler is done (``probe``)."""
+    request gets the 503). Returns ``_pools`` (invariants checked) once every handler is done, with the counts
+    admitted at the start, aborted, and admitted at the end."""
     worker: EngineWorker = state["worker"]
     state["draining"] = True
     loop = asyncio.get_running_loop()
