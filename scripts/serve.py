@@ -212,6 +212,11 @@ def _precompile(engine) -> None:
     floor, buckets = 2 * floor, buckets + 1
   t0, done = time.monotonic(), threading.Event()
   before = engine.num_compiled_shapes()
+  table = -(-engine.max_model_len // c.block_size)
+  if c.seq_bucket_floor < c.scheduler.max_num_seqs or c.blocks_bucket_floor < table:
+    print(f"[serve] note: batches of more than --seq_bucket_floor={c.seq_bucket_floor} sequences (of up to "
+          f"--max_num_seqs={c.scheduler.max_num_seqs}) or block tables wider than --blocks_bucket_floor="
+          f"{c.blocks_bucket_floor} (of up to {table}) compile on the request path, each logged", flush=True)
 
   def heartbeat():
     while not done.wait(5.0):
