@@ -13,6 +13,11 @@ token timestamp (``len(token_ids)`` timestamps where the server returns them: th
 its ``/metrics`` over the run. With --warmup (default) every prompt is first sent once, all at once with
 short outputs and not recorded, so the server has compiled its step shapes before the timed runs.
 
+While a run goes, a progress line (a bar, requests done, errors) is printed every --progress_interval s, and
+each request's timeline is appended to the run's requests file as soon as it ends (the file is rewritten
+in request order when the run ends). At the end a summary table: TTFT / TBT / E2E p50 / p90 / p99, SLO
+attainment and goodput (requests per second meeting both SLOs) per run.
+
 Example (a server started with scripts/serve.py --port=8000):
   python scripts/bench_serving.py --base_url=http://127.0.0.1:8000/v1 --model=smollm2-135m \
       --dataset=sharegpt --num_requests=24 --rps=1 --ttft_slo=3 --tbt_slo=0.5 --label=rotasched \
@@ -46,6 +51,7 @@ flags.DEFINE_integer("max_total_len", 0, "context cap for the workload (0: the m
 flags.DEFINE_integer("vocab_size", 0, "vocabulary of synthetic prompts (0: the model config's)")
 flags.DEFINE_float("request_timeout", 600.0, "seconds before one request is given up")
 flags.DEFINE_bool("token_id_prompts", True, "send token-id prompts when the workload has them (completions)")
+flags.DEFINE_float("progress_interval", 2.0, "seconds between progress lines during a run")
 configtree.define_flags(SweepSpec)
 FLAGS = flags.FLAGS
 
@@ -84,7 +90,50 @@ async def _scrape(client, url):
     return None
 
 
-async def _one(client, url, model, spec, t0, recorder, errors, endpoint):
+class _Progress:
+  """A run's progress: a line with a bar every --progress_interval s (and one at the end), and each
+  request's timeline appended to ``path`` (if given) as soon as it ends, so a run cut short leaves its
+  finished requests on disk."""
+
+  def __init__(self, label: str, total: int, recorder, path=None):
+    self.label, self.total, self.recorder = label, total, recorder
+    self.done = self.failed = 0
+    self.t0 = time.perf_counter()
+    self._file = open(path, "w", encoding="utf-8") if path else None   # pylint: disable=consider-using-with
+
+  def ended(self, rid: str, ok: bool) -> None:
+    self.done += 1
+    self.failed += not ok
+    if self._file is not None:
+      self._file.write(json.dumps(self.recorder.get(rid).to_json_dict(), allow_nan=False) + "\n")
+      self._file.flush()
+
+  def line(self) -> str:
+    width = 30
+    filled = width * self.done // max(self.total, 1)
+    return (f"[bench] {self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} done, "
+            f"{self.failed} errors, {time.perf_counter() - self.t0:.1f} s")
+
+  async def report(self) -> None:
+    while True:
+      await asyncio.sleep(FLAGS.progress_interval)
+      print(self.line(), flush=True)
+
+  def close(self) -> None:
+    print(self.line(), flush=True)
+    if self._file is not None:
+      self._file.close()
+
+
+async def _one(client, url, model, spec, t0, recorder, errors, endpoint, progress):
+  n_errors = len(errors)
+  try:
+    await _request(client, url, model, spec, t0, recorder, errors, endpoint)
+  finally:
+    progress.ended(str(spec.request_id), len(errors) == n_errors)
+
+
+async def _request(client, url, model, spec, t0, recorder, errors, endpoint):
   rid = str(spec.request_id)
   await asyncio.sleep(max(0.0, t0 + spec.arrival_s - time.perf_counter()))
   body = {"model": model, "max_tokens": spec.output_len, "temperature": 0.0, "ignore_eos": True,
@@ -136,11 +185,13 @@ async def _warm_up(workload, model):
   run_experiment.py's warm-up does) before the timed runs."""
   import dataclasses  # pylint: disable=import-outside-toplevel
   short = [dataclasses.replace(s, arrival_s=0.0, output_len=min(s.output_len, 24)) for s in workload]
-  tls, _, errors, _, _ = await _run(short, model, float("inf"))
+  tls, _, errors, _, _ = await _run(short, model, float("inf"), "warm-up")
   return sum(t.finished for t in tls), errors
 
 
-async def _run(workload, model, rps):
+async def _run(workload, model, rps, label, partial_path=None):
+  """One timed run: (timelines, duration, errors, /metrics before, after); progress lines under ``label``,
+  timelines appended to ``partial_path`` as requests end."""
   import httpx  # pylint: disable=import-outside-toplevel
   from superinfer_jax.metrics.timeline import TimelineRecorder  # pylint: disable=import-outside-toplevel
   url = FLAGS.base_url.rstrip("/") + ("/chat/completions" if FLAGS.endpoint == "chat" else "/completions")
@@ -154,7 +205,14 @@ async def _run(workload, model, rps):
     for s in workload:
       recorder.add_request(str(s.request_id), t0 + s.arrival_s, s.prompt_len, target_output_len=s.output_len,
                            source=getattr(s, "source", "") or "")
-    await asyncio.gather(*(_one(client, url, model, s, t0, recorder, errors, FLAGS.endpoint) for s in workload))
+    progress = _Progress(label, len(workload), recorder, partial_path)
+    reporter = asyncio.ensure_future(progress.report())
+    try:
+      await asyncio.gather(*(_one(client, url, model, s, t0, recorder, errors, FLAGS.endpoint, progress)
+                             for s in workload))
+    finally:
+      reporter.cancel()
+      progress.close()
     after = await _scrape(client, _metrics_url(FLAGS.base_url))
   tls = recorder.timelines()
   last = max((t.token_times_s[-1] for t in tls if t.token_times_s), default=t0)
@@ -193,6 +251,7 @@ def main(argv):
   hardware = spec.hardware or f"http:{FLAGS.base_url}"
   logging.getLogger("httpx").setLevel(logging.WARNING)
   warmed = not spec.warmup
+  rows = []
   for rps in spec.rps_values:
     workload = spec.make_workload(tok, rps, max_total_len=max_total, vocab_size=vocab)
     if not warmed:
@@ -202,19 +261,23 @@ def main(argv):
             f"{f', {len(errors)} errors' if errors else ''}", flush=True)
       warmed = True
     for rep in range(spec.repeats):
-      tls, duration, errors, before, after = asyncio.run(_run(workload, model, rps))
+      timelines_path = os.path.join(spec.output_dir, M.requests_filename(FLAGS.label, rps,
+                                                                         rep if spec.repeats > 1 else None))
+      tls, duration, errors, before, after = asyncio.run(_run(workload, model, rps, f"rps={rps:g} rep={rep}",
+                                                              timelines_path))
       row = M.results_row(
           tls, engine="http", model=model, hardware=hardware, policy=FLAGS.label, rps=rps,
           ttft_slo_s=FLAGS.ttft_slo, tbt_slo_s=FLAGS.tbt_slo, duration_s=duration,
           num_rotations=_delta(before, after, 'superinfer_rotations_total{direction="out"}'),
           swap_out_bytes=_delta(before, after, 'superinfer_kv_bytes_moved_total{direction="d2h"}') or 0,
           swap_in_bytes=_delta(before, after, 'superinfer_kv_bytes_moved_total{direction="h2d"}') or 0,
-          num_recompute_preemptions=_delta(before, after, "superinfer_recompute_preemptions_total"),
-          extra={"base_url": FLAGS.base_url, "endpoint": FLAGS.endpoint, "repeat": rep, "dataset": spec.dataset,
+          num_recompute_preemptions=_delta(before, after, "superinfer_num_preemptions_total"),
+          extra={"goodput_req_s": sum(M.request_meets_slo(t, FLAGS.ttft_slo, FLAGS.tbt_slo) for t in tls) / duration,
+                 "base_url": FLAGS.base_url, "endpoint": FLAGS.endpoint, "repeat": rep, "dataset": spec.dataset,
                  "seed": spec.seed, "num_errors": len(errors), "errors": [list(e) for e in errors[:20]]})
       M.append_results_row(results_path, row)
-      M.write_timelines(os.path.join(spec.output_dir, M.requests_filename(
-          FLAGS.label, rps, rep if spec.repeats > 1 else None)), tls)
+      M.write_timelines(timelines_path, tls)   # the run's timelines in request order (replacing the partial file)
+      rows.append(row)
       ms = lambda k: "-" if row.get(k) is None else f"{1e3 * row[k]:.0f}"  # noqa: E731
       print(f"[bench] {FLAGS.label} rps={rps:g} rep={rep}: {row['num_finished']}/{row['num_requests']} finished, "
             f"{len(errors)} errors, SLO {100 * row['slo_attainment']:.1f}%, TTFT p50/p99 "
@@ -222,7 +285,24 @@ def main(argv):
             f"{row['output_throughput_tok_s']:.1f} tok/s", flush=True)
       for e in errors[:5]:
         print(f"[bench]   error {e}", file=sys.stderr)
+  print(summary_table(rows, FLAGS.ttft_slo, FLAGS.tbt_slo), flush=True)
   return 0
+
+
+def summary_table(rows, ttft_slo: float, tbt_slo: float) -> str:
+  """A Markdown table of the runs: TTFT / TBT / E2E p50, p90, p99 (ms), SLO attainment and goodput
+  (requests per second that met both SLOs)."""
+  cols = ["label", "rps", "rep", "finished", "errors"] + [f"{m} p{q}" for m in ("TTFT", "TBT", "E2E")
+                                                          for q in (50, 90, 99)] + ["SLO %", "goodput req/s"]
+  lines = [f"[bench] summary (ms; SLOs TTFT {ttft_slo:g} s, TBT {tbt_slo:g} s)", "| " + " | ".join(cols) + " |",
+           "|" + "---|" * len(cols)]
+  for r in rows:
+    ms = ["-" if r.get(f"{m}_p{q}_s") is None else f"{1e3 * r[f'{m}_p{q}_s']:.0f}"
+          for m in ("ttft", "tbt", "e2e") for q in (50, 90, 99)]
+    cells = [r["policy"], f"{r['rps']:g}", str(r.get("repeat", 0)), f"{r['num_finished']}/{r['num_requests']}",
+             str(r.get("num_errors", 0))] + ms + [f"{100 * r['slo_attainment']:.1f}", f"{r['goodput_req_s']:.2f}"]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
 
 
 if __name__ == "__main__":

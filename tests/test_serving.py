@@ -2,7 +2,9 @@
 thread's failure handling through the real app (starlette's TestClient) over a fake engine."""
 import gc
 import json
+import os
 import logging
+import time
 import types
 
 import pytest
@@ -25,7 +27,7 @@ def test_parse_request_defaults_and_errors():
       "ttft_slo": 2.0, "tbt_slo": 0.1, "ignore_eos": True}, "chat", ["m"])
   assert msgs == [{"role": "user", "content": "ab"}] and req.max_tokens == 5 and req.ttft_slo == 2.0
   assert req.ignore_eos and req.request_id.startswith("chatcmpl-")
-  cases = [({"prompt": "x", "n": 2}, 400), ({"prompt": "x", "ttft_slo": 0}, 400), ({"prompt": "x", "top_k": -2}, 400),
+  cases = [({"prompt": "x", "n": 17}, 400), ({"prompt": "x", "n": 0}, 400), ({"prompt": "x", "ttft_slo": 0}, 400), ({"prompt": "x", "top_k": -2}, 400),
            ({"prompt": ["a", "b"]}, 400), ({"prompt": "x", "stop": [1]}, 400), ({"prompt": "x", "seed": -1}, 400),
            ({"prompt": "x", "model": 3}, 400), ({"prompt": "x", "model": "other"}, 404),
            ({"prompt": "x", "temperature": float("nan")}, 400)]
@@ -39,6 +41,70 @@ def test_parse_request_defaults_and_errors():
   assert e.value.code == "context_length_exceeded"
   req.max_tokens = None
   assert P.check_lengths(req, 10, 12) == 2
+
+
+def test_served_context_is_capped_at_the_pool():
+  assert P.served_context(8192, 256, 16) == 4096          # SmolLM2's 8192 positions, a 4096-token pool
+  assert P.served_context(2048, 256, 16) == 2048
+  assert P.served_context(8192, 256, 16, explicit=4096) == 4096
+  with pytest.raises(ValueError, match=r"--max_model_len=8192 exceeds the 4096 tokens") as e:
+    P.served_context(8192, 256, 16, explicit=8192)
+  assert "\n" not in str(e.value)
+
+
+REFUSED_BODIES = [
+    ("completion", "echo", True), ("completion", "suffix", "tail"), ("completion", "best_of", 3),
+    ("completion", "presence_penalty", 0.5), ("chat", "frequency_penalty", -1), ("chat", "repetition_penalty", 1.2),
+    ("completion", "logit_bias", {"5": -100}), ("chat", "response_format", {"type": "json_object"}),
+    ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]), ("chat", "tool_choice", "auto"),
+    ("chat", "parallel_tool_calls", True), ("chat", "functions", [{"name": "f"}]), ("chat", "function_call", "auto"),
+    ("completion", "no_such_field", 1), ("completion", "messages", []), ("chat", "prompt", "x"),
+    ("chat", "suffix", "x"), ("completion", "top_logprobs", 2),
+]
+
+
+@pytest.mark.parametrize("kind,name,value", REFUSED_BODIES, ids=[b[1] for b in REFUSED_BODIES])
+def test_unimplemented_fields_are_refused_naming_them(kind, name, value):
+  base = {"prompt": "x"} if kind == "completion" else {"messages": [{"role": "user", "content": "x"}]}
+  with pytest.raises(P.APIError) as e:
+    P.parse_request(dict(base, **{name: value}), kind, ["m"])
+  assert e.value.status == 400 and e.value.param == name and e.value.code == "unsupported_parameter"
+  assert f"'{name}'" in e.value.message
+
+
+def test_default_values_of_refused_fields_are_accepted():
+  for kind, body in (("completion", {"prompt": "x", "echo": False, "suffix": None, "best_of": 1,
+                                     "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                                     "logit_bias": {}, "user": "u", "logprobs": None}),
+                     ("chat", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "text"},
+                               "tools": [], "tool_choice": "none", "logprobs": False, "n": 2})):
+    req, _ = P.parse_request(body, kind, ["m"])
+    assert req.logprobs is None
+  req, _ = P.parse_request({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 3},
+                           "chat", ["m"])
+  assert req.logprobs == 3
+  req, _ = P.parse_request({"prompt": "x", "logprobs": 0}, "completion", ["m"])
+  assert req.logprobs == 0
+  for body in ({"prompt": "x", "logprobs": 21}, {"prompt": "x", "logprobs": 2, "stream": True}):
+    with pytest.raises(P.APIError) as e:
+      P.parse_request(body, "completion", ["m"])
+    assert e.value.param == "logprobs"
+
+
+def test_every_field_is_documented():
+  doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "serving.md")).read()
+  for name in P.FIELDS:
+    assert f"| `{name}` |" in doc, name
+  assert set(P.REFUSED) <= set(P.FIELDS)
+
+
+def test_lone_surrogates_are_a_400():
+  for raw in (b'{"prompt": "a\\ud800b"}', b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+              b'{"prompt": "x", "stop": ["\\ud83d"]}'):
+    with pytest.raises(P.APIError) as e:
+      P.parse_json_body(raw)
+    assert e.value.status == 400 and e.value.code == "invalid_unicode" and "Unicode" in e.value.message
+  assert P.parse_json_body('{"prompt": "\\ud83d\\ude00"}'.encode())["prompt"] == "\U0001F600"   # a valid pair
 
 
 def test_chat_templates():
@@ -182,3 +248,71 @@ def test_worker_rebuild_frees_a_frozen_engine_and_freezes_again():
   finally:
     gc.unfreeze()
     quiet.setLevel(level)
+
+
+def _fake_scorer(ids):
+  import numpy as np
+  return np.random.default_rng(len(ids)).normal(size=(len(ids), 100)).astype(np.float32) * 3
+
+
+def test_n_choices_logprobs_and_model_retrieve_over_fake_engine():
+  import numpy as np
+  eng = FakeEngine()
+  with TestClient(build_app(eng, ["fake"], max_queue=8, scorer=_fake_scorer)) as c:
+    assert c.get("/v1/models/fake").json()["id"] == "fake"
+    r = c.get("/v1/models/other")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = _post(c, {"prompt": [5, 6, 7], "max_tokens": 3, "n": 3, "logprobs": 2, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [ch["index"] for ch in body["choices"]] == [0, 1, 2]
+    assert body["usage"]["completion_tokens"] == 9
+    logits = _fake_scorer([5, 6, 7, 1, 2])          # prompt + output without its last token
+    lsm = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    for ch in body["choices"]:
+      assert ch["token_ids"] == [1, 2, 3] and ch["text"] == " t1 t2 t3"
+      lp = ch["logprobs"]
+      assert lp["tokens"] == ["token_id:1", "token_id:2", "token_id:3"]
+      np.testing.assert_allclose(lp["token_logprobs"], [lsm[2, 1], lsm[3, 2], lsm[4, 3]], rtol=1e-5)
+      for j, top in enumerate(lp["top_logprobs"]):
+        best = np.argsort(-lsm[2 + j])[:2]
+        assert list(top) == [f"token_id:{b}" for b in best]
+        np.testing.assert_allclose(list(top.values()), lsm[2 + j][best], rtol=1e-5)
+    r = _post(c, {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "/v1/chat/completions")
+    assert r.status_code == 400   # no tokenizer: chat is refused before logprobs matter
+    with c.stream("POST", "/v1/completions", json={"prompt": [1], "max_tokens": 2, "n": 2, "stream": True}) as s:
+      events = [json.loads(l[6:]) for l in s.iter_lines() if l.startswith("data: {")]
+    by_index = {0: "", 1: ""}
+    for e in events:
+      by_index[e["choices"][0]["index"]] += e["choices"][0]["text"]
+    assert by_index == {0: " t1 t2", 1: " t1 t2"}
+    assert sorted(e["choices"][0]["finish_reason"] for e in events if e["choices"][0]["finish_reason"]) == ["length"] * 2
+    h = c.get("/health", params={"check": 1}).json()
+    assert h["admitted"] == 0 and h["device_blocks_free"] == 8
+  with TestClient(build_app(FakeEngine(), ["fake"], max_queue=8)) as c:   # no scorer: logprobs refused
+    r = _post(c, {"prompt": [1], "max_tokens": 2, "logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def test_health_and_requests_answer_503_until_the_warmup_is_done():
+  import threading
+  go = threading.Event()
+  warmed = []
+
+  def warmup(eng):
+    assert go.wait(30)
+    warmed.append(eng)
+
+  eng = FakeEngine()
+  with TestClient(build_app(eng, ["fake"], max_queue=8, warmup=warmup)) as c:
+    h = c.get("/health")
+    assert h.status_code == 503 and h.json()["status"] == "starting" and h.headers["retry-after"] == "1"
+    r = _post(c, {"prompt": [1], "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable" and r.headers["retry-after"] == "1"
+    go.set()
+    for _ in range(300):
+      if c.get("/health").status_code == 200:
+        break
+      time.sleep(0.01)
+    assert warmed == [eng] and c.get("/health").json()["status"] == "ok"
+    assert _post(c, {"prompt": [1], "max_tokens": 2}).status_code == 200

@@ -27,6 +27,8 @@ ENGINE_ARGS = ["--block_size=16", "--num_device_blocks=40", "--num_host_blocks=6
                "--blocks_bucket_floor=32"]
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 MAX_QUEUE = 4
+MODEL_POSITIONS = 1024
+POOL_TOKENS = 40 * 16   # --num_device_blocks x --block_size: the context the server offers (< MODEL_POSITIONS)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,7 @@ def model_dir(tmp_path_factory):
   from superinfer_jax.model.testing import save_tiny_hf_model
   from superinfer_jax.model.tokenizer import Tokenizer, save_tokenizer
   d = str(tmp_path_factory.mktemp("tiny_llama_serve"))
-  save_tiny_hf_model(d, "llama", max_position_embeddings=512, vocab_size=VOCAB, bos_token_id=VOCAB - 2,
+  save_tiny_hf_model(d, "llama", max_position_embeddings=MODEL_POSITIONS, vocab_size=VOCAB, bos_token_id=VOCAB - 2,
                      eos_token_id=VOCAB - 1)
   save_tokenizer(Tokenizer(backend=word_tokenizer(VOCAB), bos_id=VOCAB - 2, eos_ids=(VOCAB - 1,),
                            chat_template=CHAT_TEMPLATE), d)
@@ -58,9 +60,12 @@ class Server:
     with open(self.port_file) as f:
       self.port = int(f.read())
     self.url = f"http://127.0.0.1:{self.port}"
+    self.health_seen = []   # the /health statuses answered while starting
     while True:
       try:
-        if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+        status = httpx.get(self.url + "/health", timeout=5).status_code
+        self.health_seen.append(status)
+        if status == 200:
           break
       except httpx.HTTPError:
         pass
@@ -117,6 +122,7 @@ def _health_check(server):
 
 def test_models_and_health(server, client):
   assert [m.id for m in client.models.list().data] == ["tiny"]
+  assert client.models.list().data[0].model_extra["max_model_len"] == POOL_TOKENS
   h = _health_check(server)
   assert h["device_blocks"] == 40 and h["device_blocks_free"] == 40
 
@@ -171,6 +177,38 @@ def test_chat_stream_equals_nonstream_equals_generate(server, client, model_dir)
     assert ref["text"] == text
 
 
+def test_chat_without_max_tokens_gets_the_rest_of_the_pool_capped_context(client):
+  """The model has 1024 positions but the pool holds 640 tokens: the server offers 640, and a chat request
+  without max_tokens runs to the end of it (it would be refused as needing more blocks than the pool has
+  if the default asked for the model's 1024)."""
+  r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w3 w4"}],
+                                     temperature=0, extra_body={"ignore_eos": True})
+  assert r.choices[0].finish_reason == "length" and r.choices[0].message.content
+  assert r.usage.prompt_tokens + r.usage.completion_tokens == POOL_TOKENS
+
+
+def test_precompile_logs_progress_and_health_is_503_until_ready(model_dir, tmp_path):
+  s = Server(model_dir, str(tmp_path), extra=["--precompile"])
+  try:
+    out = s.output()
+    assert 503 in s.health_seen and s.health_seen[-1] == 200, s.health_seen
+    assert "[serve] precompiling the rotation buckets and" in out and "step shapes in" in out and "ready" in out
+    r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "w1 w2", "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200
+  finally:
+    s.stop()
+
+
+def test_max_model_len_beyond_the_pool_is_a_one_line_startup_error(model_dir, tmp_path):
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "serve.py"), f"--model={model_dir}",
+                      "--port=0", "--max_model_len=1000"] + ENGINE_ARGS,
+                     capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
+  assert r.returncode == 2
+  errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1, r.stderr[-2000:]
+  assert "--max_model_len=1000" in errors[0] and f"{POOL_TOKENS} tokens" in errors[0], errors
+
+
 def test_stop_and_seed(server, client):
   base = client.completions.create(model="tiny", prompt="w1 w2", max_tokens=8, temperature=0,
                                    extra_body={"ignore_eos": True})
@@ -182,6 +220,81 @@ def test_stop_and_seed(server, client):
   a, b = (client.completions.create(model="tiny", prompt="w1 w2", max_tokens=8, temperature=1.0, seed=7,
                                     extra_body={"ignore_eos": True}).choices[0].text for _ in range(2))
   assert a == b
+
+
+def test_stop_string_across_a_token_boundary(client):
+  base = client.completions.create(model="tiny", prompt="w4 w8", max_tokens=10, temperature=0,
+                                   extra_body={"ignore_eos": True})
+  text = base.choices[0].text
+  words = text.split()
+  assert len(words) >= 4
+  stop = f"{words[1][-1]} {words[2][:2]}"    # the end of one token's word and the start of the next one's
+  cut = text.index(stop)
+  r = client.completions.create(model="tiny", prompt="w4 w8", max_tokens=10, temperature=0, stop=stop,
+                                extra_body={"ignore_eos": True})
+  assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[:cut]
+
+
+def test_n_choices_seed_i_plus_one(client):
+  kw = dict(model="tiny", prompt="w1 w2", max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True})
+  one = [client.completions.create(seed=s, **kw).choices[0].text for s in (11, 12, 13)]
+  three = client.completions.create(seed=11, n=3, **kw)
+  assert [c.index for c in three.choices] == [0, 1, 2]
+  assert [c.text for c in three.choices] == one
+  assert three.usage.completion_tokens == 18
+  assert len(set(one)) > 1   # the seeds matter (else this test would prove nothing)
+
+
+def test_logprobs_match_transformers(client, model_dir):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  import numpy as np
+  hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+  prompt_ids = [7, 8, 9, 10]
+  r = client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=6, temperature=0.9, seed=3, logprobs=3,
+                                extra_body={"ignore_eos": True, "return_token_ids": True})
+  out = r.choices[0].model_extra["token_ids"]
+  with torch.no_grad():
+    logits = hf(torch.tensor([prompt_ids + out])).logits[0].double()
+  ref = torch.log_softmax(logits, -1).numpy()[len(prompt_ids) - 1:-1]
+  lp = r.choices[0].logprobs
+  np.testing.assert_allclose(lp.token_logprobs, [ref[j, t] for j, t in enumerate(out)], atol=2e-4)
+  for j, top in enumerate(lp.top_logprobs):
+    assert len(top) == 3
+    np.testing.assert_allclose(sorted(top.values(), reverse=True), np.sort(ref[j])[::-1][:3], atol=2e-4)
+  # Chat format, greedy: each sampled token is its row's most likely one.
+  c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w2 w3"}], max_tokens=5,
+                                     temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+  content = c.choices[0].logprobs.content
+  assert len(content) == 5
+  for t in content:
+    assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+    assert t.logprob <= 0 and t.top_logprobs[1].logprob <= t.logprob
+
+
+@pytest.mark.parametrize("field,value", [("presence_penalty", 0.5), ("logit_bias", {"3": 5}), ("best_of", 2),
+                                         ("suffix", "x"), ("frequency_penalty", 1.0)])
+def test_openai_client_sees_refused_fields(client, field, value):
+  with pytest.raises(openai.BadRequestError) as e:
+    client.completions.create(model="tiny", prompt="w1", max_tokens=2, **{field: value})
+  assert e.value.body["param"] == field and field in e.value.body["message"]
+  with pytest.raises(openai.BadRequestError) as e:
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w1"}], max_tokens=2,
+                                   response_format={"type": "json_object"})
+  assert e.value.body["param"] == "response_format"
+  with pytest.raises(openai.BadRequestError) as e:
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w1"}], max_tokens=2,
+                                   tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+  assert e.value.body["param"] == "tools"
+
+
+def test_models_retrieve_and_lone_surrogate(server, client):
+  assert client.models.retrieve("tiny").id == "tiny"
+  with pytest.raises(openai.NotFoundError):
+    client.models.retrieve("nope")
+  r = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny", "prompt": "w1 \\ud800"}',
+                 headers={"content-type": "application/json"}, timeout=30)
+  assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_unicode", r.text
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -197,10 +310,10 @@ BAD = [
     ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, 400, "invalid_type"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": 3}]}, 400, "invalid_type"),
     ("/v1/completions", {"model": "tiny", "prompt": "w1", "stream": "yes"}, 400, "invalid_type"),
-    ("/v1/completions", {"model": "tiny", "prompt": "w1 " * 600}, 400, "context_length_exceeded"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w1 " * 700}, 400, "context_length_exceeded"),
     ("/v1/completions", {"model": "tiny", "prompt": "w1", "max_tokens": 0}, 400, "invalid_value"),
     ("/v1/completions", {"model": "tiny", "prompt": "w1", "max_tokens": -3}, 400, "invalid_value"),
-    ("/v1/completions", {"model": "tiny", "prompt": "w1", "max_tokens": 600}, 400, "context_length_exceeded"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w1", "max_tokens": 700}, 400, "context_length_exceeded"),
     ("/v1/completions", {"model": "tiny", "prompt": "w1", "temperature": -0.5}, 400, "invalid_value"),
     ("/v1/completions", {"model": "tiny", "prompt": "w1", "top_p": 0}, 400, "invalid_value"),
     ("/v1/completions", {"model": "tiny", "prompt": "w1", "top_p": 1.5}, 400, "invalid_value"),
@@ -234,6 +347,21 @@ def test_openai_client_sees_errors(client):
 
 # ------------------------------------------------------------------------- disconnect and overload
 
+def test_token_counters_and_latency_histograms(server, client):
+  before = _metrics(server)
+  r = client.completions.create(model="tiny", prompt="w1 w2 w3 w4", max_tokens=7, temperature=0,
+                                extra_body={"ignore_eos": True})
+  assert r.usage.completion_tokens == 7
+  after = _metrics(server)
+  d = lambda k: after.get(k, 0.0) - before.get(k, 0.0)  # noqa: E731
+  assert d("superinfer_prompt_tokens_total") == 4 and d("superinfer_generation_tokens_total") == 7
+  for h, n in (("time_to_first_token", 1), ("inter_token_latency", 6), ("e2e_request_latency", 1),
+               ("request_queue_time", 1)):
+    assert d(f"superinfer_{h}_seconds_count") == n, h
+  assert 0 <= d("superinfer_request_queue_time_seconds_sum") <= d("superinfer_time_to_first_token_seconds_sum")
+  assert d("superinfer_time_to_first_token_seconds_sum") <= d("superinfer_e2e_request_latency_seconds_sum")
+
+
 def test_disconnect_mid_stream_frees_blocks(server):
   before = _metrics(server).get('superinfer_requests_finished_total{reason="abort"}', 0.0)
   body = {"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 480, "temperature": 0, "stream": True,
@@ -251,8 +379,8 @@ def test_disconnect_mid_stream_frees_blocks(server):
   while True:
     m = _metrics(server)
     if (m.get('superinfer_requests_finished_total{reason="abort"}', 0.0) > before
-        and m['superinfer_device_blocks{kind="used"}'] == 0 and m['superinfer_requests{state="running"}'] == 0
-        and m["superinfer_requests_admitted"] == 0):
+        and m['superinfer_device_blocks{kind="used"}'] == 0 and m["superinfer_num_requests_running"] == 0
+        and m["superinfer_num_requests_admitted"] == 0):
       break
     assert time.monotonic() < deadline, m
     time.sleep(0.2)
@@ -265,7 +393,7 @@ def _wait_idle_after_aborts(server, before, at_least=1):
   while True:
     m = _metrics(server)
     if (m.get('superinfer_requests_finished_total{reason="abort"}', 0.0) >= before + at_least
-        and m['superinfer_device_blocks{kind="used"}'] == 0 and m["superinfer_requests_admitted"] == 0):
+        and m['superinfer_device_blocks{kind="used"}'] == 0 and m["superinfer_num_requests_admitted"] == 0):
       return m
     assert time.monotonic() < deadline, m
     time.sleep(0.2)
@@ -323,16 +451,17 @@ def test_overload_rejects_with_429_and_loses_nothing(server):
   async def one(c, i):
     r = await c.post(server.url + "/v1/completions", json={
         "model": "tiny", "prompt": f"w{i + 1} w2", "max_tokens": 24, "temperature": 0, "ignore_eos": True})
-    return r.status_code, r.json()
+    return r.status_code, r.json(), r.headers
 
   async def burst():
     async with httpx.AsyncClient(timeout=120) as c:
       return await asyncio.gather(*(one(c, i) for i in range(3 * MAX_QUEUE)))
 
   results = asyncio.run(asyncio.wait_for(burst(), 180))
-  ok = [b for s, b in results if s == 200]
-  rejected = [b for s, b in results if s == 429]
-  assert len(ok) + len(rejected) == len(results), [s for s, _ in results]
+  ok = [b for s, b, _ in results if s == 200]
+  rejected = [b for s, b, _ in results if s == 429]
+  assert all(h.get("retry-after") == "1" for s, _, h in results if s == 429)
+  assert len(ok) + len(rejected) == len(results), [s for s, _, _ in results]
   assert len(ok) >= 1 and len(rejected) >= 1
   for b in ok:
     assert b["usage"]["completion_tokens"] == 24 and b["choices"][0]["finish_reason"] == "length"
@@ -342,52 +471,68 @@ def test_overload_rejects_with_429_and_loses_nothing(server):
   assert h["admitted"] == 0 and h["device_blocks_free"] == h["device_blocks"]
   m = _metrics(server)
   assert m['superinfer_requests_rejected_total{reason="queue_full"}'] >= len(rejected)
-  for name in ('superinfer_requests{state="waiting"}', 'superinfer_host_blocks{kind="total"}',
+  for name in ("superinfer_num_requests_waiting", "superinfer_num_requests_rotary", 'superinfer_host_blocks{kind="total"}',
                'superinfer_rotations_total{direction="out"}', 'superinfer_kv_bytes_moved_total{direction="d2h"}',
-               "superinfer_recompute_preemptions_total", "superinfer_ttft_seconds_count",
-               "superinfer_tbt_seconds_count", "superinfer_e2e_seconds_count"):
+               "superinfer_num_preemptions_total", "superinfer_host_kv_cache_usage_perc"):
     assert name in m, name
+  assert m["superinfer_kv_cache_usage_perc"] == 0.0   # idle: nothing in the device pool
 
 
 # ----------------------------------------------------------------------------------------- shutdown
 
-def test_sigterm_cancels_inflight_and_exits_cleanly(model_dir, tmp_path):
-  s = Server(model_dir, str(tmp_path), extra=["--shutdown_timeout=0.1"])
+def _stream_lines(url, body, got, started):
   try:
-    got = {}
-    started = threading.Event()
+    with httpx.Client(timeout=60) as c:
+      with c.stream("POST", url + "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+          if line:
+            got.append(line)
+            started.set()
+  finally:
+    started.set()
 
-    def stream():
-      lines = got.setdefault("lines", [])
-      try:
-        with httpx.Client(timeout=60) as c:
-          with c.stream("POST", s.url + "/v1/completions", json={
-              "model": "tiny", "prompt": "w1", "max_tokens": 500, "temperature": 0, "stream": True,
-              "ignore_eos": True}) as r:
-            for line in r.iter_lines():
-              if line:
-                lines.append(line)
-                started.set()
-      except httpx.HTTPError as e:   # the connection closed under the stream: also an ending
-        got["error"] = repr(e)
-      finally:
-        started.set()
 
-    t = threading.Thread(target=stream)
-    t.start()
-    assert started.wait(60)
+def test_sigterm_drains_finishes_short_requests_and_ends_long_ones_with_a_final_event(model_dir, tmp_path):
+  s = Server(model_dir, str(tmp_path), extra=["--shutdown_timeout=1"])
+  try:
+    runs = {}
+    for name, n in (("long", 620), ("short", 20)):
+      got, started = [], threading.Event()
+      t = threading.Thread(target=_stream_lines, args=(s.url, {
+          "model": "tiny", "prompt": "w1", "max_tokens": n, "temperature": 0, "stream": True, "ignore_eos": True},
+          got, started))
+      t.start()
+      assert started.wait(60)
+      runs[name] = (t, got)
     s.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while True:   # draining: new requests and /health get 503 with Retry-After
+      r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "w1", "max_tokens": 2}, timeout=10)
+      if r.status_code == 503:
+        break
+      assert time.monotonic() < deadline, r.text
+      time.sleep(0.05)
+    assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "unavailable"
+    h = httpx.get(s.url + "/health", timeout=10)
+    assert h.status_code == 503 and h.json()["status"] == "draining"
     rc = s.proc.wait(60)
-    t.join(60)
-    assert not t.is_alive()
-    assert rc == 0, s.output()
-    assert "[serve] stopped on SIGTERM" in s.output()
-    lines = got["lines"]
-    assert lines and lines[0].startswith("data: ")
-    if lines[-1] == "data: [DONE]":
-      # It ended in-band: the last event before [DONE] is an error or the finished chunk.
-      last = json.loads(lines[-2][len("data: "):])
-      assert "error" in last or last["choices"][0]["finish_reason"]
+    for t, _ in runs.values():
+      t.join(60)
+      assert not t.is_alive()
+    out = s.output()
+    assert rc == 0, out
+    assert "[serve] stopped on SIGTERM" in out
+    short = [json.loads(l[6:]) for l in runs["short"][1] if l.startswith("data: {")]
+    assert runs["short"][1][-1] == "data: [DONE]" and short[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(len(c["choices"][0]["text"].split()) for c in short) == 20
+    long_lines = runs["long"][1]
+    assert long_lines[-1] == "data: [DONE]", long_lines[-3:]
+    assert json.loads(long_lines[-2][6:])["error"]["code"] == "unavailable", long_lines[-3:]
+    assert json.loads(long_lines[-3][6:])["choices"][0]["finish_reason"] == "abort"
+    drained = json.loads(out.split("[serve] drained: ")[1].splitlines()[0])
+    assert drained["aborted"] == 1 and drained["admitted"] == 0 and drained["invariants"] == "ok"
+    assert drained["device_blocks_free"] == drained["device_blocks"] == 40
+    assert drained["host_blocks_free"] == drained["host_blocks"]
   finally:
     s.stop()
 
@@ -399,22 +544,39 @@ def test_bench_serving_against_server(model_dir, tmp_path):
   s = Server(model_dir, str(tmp_path), extra=["--max_queue=64", "--policy=rotasched"])
   try:
     out = tmp_path / "bench"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_serving.py"),
-                        f"--base_url={s.url}/v1", f"--model={model_dir}", "--dataset=synthetic", "--num_requests=6",
-                        "--rps=20", "--synthetic_prompt_len=uniform:8,24", "--synthetic_output_len=uniform:6,12",
-                        "--ttft_slo=5", "--tbt_slo=1", "--label=rotasched", f"--output_dir={out}"],
-                       capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "[bench] warm-up: 6/6" in r.stdout
+    timelines = out / requests_filename("rotasched", 4.0)
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "bench_serving.py"),
+                          f"--base_url={s.url}/v1", f"--model={model_dir}", "--dataset=synthetic", "--num_requests=8",
+                          "--rps=4", "--synthetic_prompt_len=uniform:8,24", "--synthetic_output_len=uniform:6,12",
+                          "--ttft_slo=5", "--tbt_slo=1", "--label=rotasched", f"--output_dir={out}",
+                          "--progress_interval=0.5"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    partial = set()   # line counts of the requests file seen while the run went on
+    deadline = time.monotonic() + 300
+    while p.poll() is None:
+      assert time.monotonic() < deadline
+      if timelines.exists() and not (out / "results.jsonl").exists():
+        partial.add(len(timelines.read_text().splitlines()))
+      time.sleep(0.05)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 0, stderr[-3000:]
+    assert partial & set(range(1, 8)), partial   # some of the 8 requests were on disk before the run ended
+    assert "[bench] warm-up: 8/8" in stdout
+    assert "[bench] rps=4 rep=0 [" in stdout and "8/8 done, 0 errors" in stdout
+    table = stdout[stdout.index("[bench] summary"):].splitlines()
+    assert table[1].startswith("| label | rps |") and "goodput req/s" in table[1]
+    assert table[3].startswith("| rotasched | 4 | 0 | 8/8 | 0 |")
     rows = read_results(str(out / "results.jsonl"))
     assert len(rows) == 1
     row = rows[0]
     validate_results_row(row)
     assert row["engine"] == "http" and row["policy"] == "rotasched" and row["model"] == "tiny"
-    assert row["num_requests"] == 6 and row["num_finished"] == 6 and row["num_errors"] == 0
+    assert row["num_requests"] == 8 and row["num_finished"] == 8 and row["num_errors"] == 0
     assert row["slo_attainment"] > 0 and row["num_rotations"] >= 0
-    tls = read_timelines(str(out / requests_filename("rotasched", 20.0)))
-    assert len(tls) == 6
+    assert row["goodput_req_s"] == pytest.approx(row["slo_attainment"] * 8 / row["duration_s"])
+    assert table[3].endswith(f"| {100 * row['slo_attainment']:.1f} | {row['goodput_req_s']:.2f} |")
+    tls = read_timelines(str(timelines))
+    assert len(tls) == 8 and [t.request_id for t in tls] == sorted((t.request_id for t in tls), key=int)
     for tl in tls:
       assert tl.finish_reason == "length" and tl.output_len == tl.target_output_len
       assert tl.token_times_s == sorted(tl.token_times_s) and tl.token_times_s[0] >= tl.arrival_s

@@ -1,26 +1,37 @@
 """Prometheus metrics of the server (``GET /metrics``, prometheus-client text format).
 
 The engine thread updates them (``after_step`` snapshots the scheduler, the block manager and
-``EngineStats``; ``on_output`` / ``on_finish`` feed the latency histograms); the HTTP side only renders.
+``EngineStats``; ``on_arrival`` / ``on_output`` / ``on_finish`` feed the token counters and the latency
+histograms); the HTTP side only renders. Where vLLM has a metric, the name is vLLM's with ``superinfer_``
+for its ``vllm:`` prefix and the same meaning; the rest are this engine's own.
 
-==================================================  =====================================================
-metric                                              meaning
-==================================================  =====================================================
-superinfer_requests{state=waiting|running|rotary}   requests per scheduler state
-superinfer_requests_admitted                        requests accepted and not finished (vs --max_queue)
-superinfer_device_blocks{kind=used|total}           device KV pool blocks
-superinfer_host_blocks{kind=used|total}             host KV pool blocks
-superinfer_engine_steps_total                       engine steps
-superinfer_rotations_total{direction=out|in}        rotations of a request's KV to / from host
-superinfer_kv_bytes_moved_total{direction=d2h|h2d}  bytes moved by rotations and eager write-back
-superinfer_recompute_preemptions_total              recompute preemptions
-superinfer_generated_tokens_total                   output tokens
-superinfer_requests_finished_total{reason}          finished requests by reason (stop, length, abort, error)
-superinfer_requests_rejected_total{reason}          requests refused at admission (queue_full)
-superinfer_step_errors_total                        engine steps that raised
-superinfer_ttft_seconds / _tbt_ / _e2e_             histograms: arrival -> first token, token gaps,
-                                                    arrival -> last token (engine clock)
-==================================================  =====================================================
+==========================================================  ===========================================
+metric                                                      meaning
+==========================================================  ===========================================
+superinfer_num_requests_running / _waiting                  requests per scheduler state (vLLM's)
+superinfer_num_requests_rotary                              requests whose KV is rotated out to host
+superinfer_num_requests_admitted                            accepted and not finished (vs --max_queue)
+superinfer_kv_cache_usage_perc                              device KV pool in use, 0..1 (vLLM's)
+superinfer_host_kv_cache_usage_perc                         host KV pool in use, 0..1
+superinfer_device_blocks{kind=used|total}                   device KV pool blocks
+superinfer_host_blocks{kind=used|total}                     host KV pool blocks
+superinfer_prompt_tokens_total                              prompt tokens prefilled (vLLM's)
+superinfer_generation_tokens_total                          output tokens (vLLM's)
+superinfer_num_preemptions_total                            recompute preemptions (vLLM's)
+superinfer_engine_steps_total                               engine steps
+superinfer_rotations_total{direction=out|in}                rotations of a request's KV to / from host
+superinfer_kv_bytes_moved_total{direction=d2h|h2d}          bytes moved by rotations and eager write-back
+superinfer_requests_finished_total{reason}                  finished requests by reason (stop, length,
+                                                            abort, error)
+superinfer_requests_rejected_total{reason}                  refused at admission (queue_full)
+superinfer_step_errors_total                                engine steps that raised
+superinfer_time_to_first_token_seconds                      histogram: arrival -> first token (vLLM's)
+superinfer_inter_token_latency_seconds                      histogram: gaps between output tokens (vLLM's)
+superinfer_e2e_request_latency_seconds                      histogram: arrival -> last token (vLLM's)
+superinfer_request_queue_time_seconds                       histogram: arrival -> first scheduled (vLLM's)
+==========================================================  ===========================================
+
+Latencies are on the engine clock (``RequestOutput.timestamps``, ``state_changes``).
 """
 from __future__ import annotations
 
@@ -41,14 +52,18 @@ class ServerMetrics:
     self._lock = threading.Lock()
     self._snap: dict[str, Any] = {}
     self._admitted = worker_admitted
-    self._arrivals: dict[str, float] = {}
+    self._arrivals: dict[str, tuple[float, int]] = {}   # request id -> (arrival, prompt tokens)
     self._last_token: dict[str, float] = {}
-    self.ttft = Histogram("superinfer_ttft_seconds", "time to first token (arrival -> first token)",
+    self._scheduled: set[str] = set()
+    self.ttft = Histogram("superinfer_time_to_first_token_seconds", "time to first token (arrival -> first token)",
                           buckets=_LAT_BUCKETS, registry=self.registry)
-    self.tbt = Histogram("superinfer_tbt_seconds", "time between consecutive output tokens",
+    self.tbt = Histogram("superinfer_inter_token_latency_seconds", "time between consecutive output tokens",
                          buckets=_LAT_BUCKETS, registry=self.registry)
-    self.e2e = Histogram("superinfer_e2e_seconds", "end-to-end latency (arrival -> last token)",
+    self.e2e = Histogram("superinfer_e2e_request_latency_seconds", "end-to-end latency (arrival -> last token)",
                          buckets=_LAT_BUCKETS, registry=self.registry)
+    self.queue = Histogram("superinfer_request_queue_time_seconds", "queue time (arrival -> first scheduled)",
+                           buckets=_LAT_BUCKETS, registry=self.registry)
+    self.prompt_tokens = Counter("superinfer_prompt_tokens", "prompt tokens prefilled", registry=self.registry)
     self.finished = Counter("superinfer_requests_finished", "finished requests by reason", ["reason"],
                             registry=self.registry)
     self.rejected = Counter("superinfer_requests_rejected", "requests refused at admission", ["reason"],
@@ -57,14 +72,20 @@ class ServerMetrics:
     self.registry.register(_SnapshotCollector(self))
 
   # Engine thread.
-  def on_arrival(self, rid: str, arrival: float) -> None:
-    self._arrivals[rid] = arrival
+  def on_arrival(self, rid: str, arrival: float, prompt_tokens: int = 0) -> None:
+    self._arrivals[rid] = (arrival, prompt_tokens)
 
   def on_output(self, o) -> None:
-    arrival = self._arrivals.get(o.request_id)
+    arrival, n_prompt = self._arrivals.get(o.request_id, (None, 0))
+    if arrival is not None and o.request_id not in self._scheduled:
+      first = next((t for t, state in o.state_changes if state == "running"), None)
+      if first is not None:
+        self._scheduled.add(o.request_id)
+        self.queue.observe(max(0.0, first - arrival))
     for t in o.timestamps:
       last = self._last_token.get(o.request_id)
       if last is None:
+        self.prompt_tokens.inc(n_prompt)
         if arrival is not None:
           self.ttft.observe(max(0.0, t - arrival))
       else:
@@ -77,6 +98,7 @@ class ServerMetrics:
     self.finished.labels(reason=reason or "unknown").inc()
     self._arrivals.pop(rid, None)
     self._last_token.pop(rid, None)
+    self._scheduled.discard(rid)
 
   def after_step(self, engine) -> None:
     bm, sch, st = engine.block_manager, engine.scheduler, engine.stats
@@ -102,16 +124,17 @@ class _SnapshotCollector:
 
   def collect(self):
     s = self.m.snapshot()
-    g = GaugeMetricFamily("superinfer_requests", "requests per scheduler state", labels=["state"])
-    for state in ("waiting", "running", "rotary"):
-      g.add_metric([state], s.get(state, 0))
-    yield g
-    yield GaugeMetricFamily("superinfer_requests_admitted", "requests accepted and not finished",
+    for state, what in (("running", "running"), ("waiting", "waiting"), ("rotary", "rotated out to host")):
+      yield GaugeMetricFamily(f"superinfer_num_requests_{state}", f"requests {what}", value=s.get(state, 0))
+    yield GaugeMetricFamily("superinfer_num_requests_admitted", "requests accepted and not finished",
                             value=self.m._admitted())  # pylint: disable=protected-access
-    for name, total, free in (("device", "dev_total", "dev_free"), ("host", "host_total", "host_free")):
+    for name, total, free, usage in (("device", "dev_total", "dev_free", "kv_cache_usage_perc"),
+                                     ("host", "host_total", "host_free", "host_kv_cache_usage_perc")):
+      n, used = s.get(total, 0), s.get(total, 0) - s.get(free, 0)
+      yield GaugeMetricFamily(f"superinfer_{usage}", f"{name} KV pool in use (0..1)", value=used / n if n else 0.0)
       g = GaugeMetricFamily(f"superinfer_{name}_blocks", f"{name} KV pool blocks", labels=["kind"])
-      g.add_metric(["used"], s.get(total, 0) - s.get(free, 0))
-      g.add_metric(["total"], s.get(total, 0))
+      g.add_metric(["used"], used)
+      g.add_metric(["total"], n)
       yield g
     yield CounterMetricFamily("superinfer_engine_steps", "engine steps", value=s.get("steps", 0))
     c = CounterMetricFamily("superinfer_rotations", "rotations of KV to / from host", labels=["direction"])
@@ -123,9 +146,8 @@ class _SnapshotCollector:
     c.add_metric(["d2h"], s.get("bytes_out", 0))
     c.add_metric(["h2d"], s.get("bytes_in", 0))
     yield c
-    yield CounterMetricFamily("superinfer_recompute_preemptions", "recompute preemptions",
-                              value=s.get("recompute", 0))
-    yield CounterMetricFamily("superinfer_generated_tokens", "output tokens", value=s.get("tokens", 0))
+    yield CounterMetricFamily("superinfer_num_preemptions", "recompute preemptions", value=s.get("recompute", 0))
+    yield CounterMetricFamily("superinfer_generation_tokens", "output tokens", value=s.get("tokens", 0))
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -10,12 +10,19 @@ input                                      status  type                        c
 body is not a JSON object                  400     invalid_request_error       invalid_json
 missing ``prompt`` / ``messages``           400     invalid_request_error       missing_required_parameter
 a field of the wrong type                  400     invalid_request_error       invalid_type
+a field the server does not implement      400     invalid_request_error       unsupported_parameter
+invalid Unicode (a lone surrogate)         400     invalid_request_error       invalid_unicode
 out-of-range value (max_tokens <= 0, ...)  400     invalid_request_error       invalid_value
 prompt (+ max_tokens) beyond the context   400     invalid_request_error       context_length_exceeded
 unknown model                              404     invalid_request_error       model_not_found
+body larger than the limit                 413     invalid_request_error       request_too_large
 admission queue full                       429     rate_limit_error            queue_full
 engine failure                             500     server_error                engine_error
 =========================================  ======  ==========================  ==============================
+
+``FIELDS`` lists every request field each endpoint knows and what the server does with it (docs/serving.md
+renders the same table); a field outside it, or one of ``REFUSED`` given a value other than its default,
+is a 400 ``unsupported_parameter`` naming the field.
 """
 from __future__ import annotations
 
@@ -68,9 +75,70 @@ class ParsedRequest:
   ignore_eos: bool
   ttft_slo: Optional[float]
   tbt_slo: Optional[float]
-  echo: bool = False
   return_token_ids: bool = False
   request_id: str = ""
+  n: int = 1
+  logprobs: Optional[int] = None          # None: no logprobs; k: the sampled token's and the k most likely
+
+
+MAX_LOGPROBS = 20
+
+# Every field of the two endpoints: (endpoints, what the server does). "both", "completion" or "chat".
+FIELDS: dict[str, tuple[str, str]] = {
+    "model": ("both", "one of the served names (default: the first)"),
+    "prompt": ("completion", "a string, a list of token ids, or a one-element list of either"),
+    "messages": ("chat", "[{role, content}], content a string or a list of text parts; rendered with the "
+                         "model's chat template"),
+    "max_tokens": ("both", "output cap; completions default 16, chat default the rest of the context"),
+    "max_completion_tokens": ("chat", "as max_tokens (wins over it)"),
+    "temperature": ("both", "default 1; 0 = greedy"),
+    "top_p": ("both", "nucleus sampling, (0, 1]"),
+    "top_k": ("both", "keep the k most likely tokens; 0 or -1 = off"),
+    "seed": ("both", "per-request seed in [0, 2**32); choice i of n uses seed + i"),
+    "n": ("both", "choices per request, 1..16 (each an engine request of its own)"),
+    "stop": ("both", "up to 16 strings, matched in the text across token boundaries; the text is cut before"),
+    "stop_token_ids": ("both", "token ids that end the output"),
+    "ignore_eos": ("both", "keep generating past EOS"),
+    "stream": ("both", "server-sent events ending in data: [DONE]"),
+    "stream_options": ("both", "include_usage: a last chunk with usage"),
+    "logprobs": ("both", "completions: int 0..20, chat: bool; the sampled tokens' log-probabilities under "
+                         "the model (raw logits, before temperature / top-k / top-p), non-streamed only"),
+    "top_logprobs": ("chat", "0..20 alternatives per token with logprobs=true"),
+    "return_token_ids": ("both", "each choice / chunk also carries its token_ids"),
+    "ttft_slo": ("both", "TTFT SLO in seconds, handed to the scheduler"),
+    "tbt_slo": ("both", "TBT SLO in seconds, handed to the scheduler"),
+    "user": ("both", "accepted, not used (an end-user id for abuse monitoring at OpenAI)"),
+    "echo": ("completion", "refused unless false"),
+    "suffix": ("completion", "refused unless null or \"\""),
+    "best_of": ("completion", "refused unless null or equal to n"),
+    "presence_penalty": ("both", "refused unless 0 (the engine samples on device without penalties)"),
+    "frequency_penalty": ("both", "refused unless 0 (as presence_penalty)"),
+    "repetition_penalty": ("both", "refused unless 1 (as presence_penalty)"),
+    "logit_bias": ("both", "refused unless null or {} (the engine has no logit processors)"),
+    "response_format": ("chat", "refused unless {\"type\": \"text\"}"),
+    "tools": ("chat", "refused unless null or []"),
+    "tool_choice": ("chat", "refused unless null or \"none\""),
+    "parallel_tool_calls": ("chat", "refused unless null"),
+    "functions": ("chat", "refused unless null or []"),
+    "function_call": ("chat", "refused unless null or \"none\""),
+}
+
+# Fields accepted only at these values (a value the server would otherwise have to ignore): field -> (the
+# accepted values, why the others are refused).
+REFUSED: dict[str, tuple[tuple, str]] = {
+    "echo": ((False,), "echoing the prompt is not supported"),
+    "suffix": (("",), "insertion (suffix) is not supported"),
+    "presence_penalty": ((0,), "penalties are not supported (the engine samples on device without them)"),
+    "frequency_penalty": ((0,), "penalties are not supported (the engine samples on device without them)"),
+    "repetition_penalty": ((1,), "penalties are not supported (the engine samples on device without them)"),
+    "logit_bias": (({},), "logit_bias is not supported (the engine has no logit processors)"),
+    "response_format": (({"type": "text"},), "only response_format {\"type\": \"text\"} is supported"),
+    "tools": (([],), "tool calling is not supported"),
+    "tool_choice": (("none",), "tool calling is not supported"),
+    "parallel_tool_calls": ((), "tool calling is not supported"),
+    "functions": (([],), "function calling is not supported"),
+    "function_call": (("none",), "function calling is not supported"),
+}
 
 
 def parse_json_body(raw: bytes) -> dict:
@@ -81,7 +149,46 @@ def parse_json_body(raw: bytes) -> dict:
   if not isinstance(body, dict):
     raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}",
                    code="invalid_json")
+  _check_unicode(body, "")
   return body
+
+
+def _check_unicode(v: Any, path: str) -> None:
+  """Raises a 400 naming the first string (key or value) that is not valid Unicode: JSON's ``\\ud800``
+  escapes decode to lone surrogates, which no tokenizer can encode."""
+  if isinstance(v, str):
+    try:
+      v.encode("utf-8")
+    except UnicodeEncodeError as e:
+      raise APIError(400, f"'{path or 'body'}' is not valid Unicode: {e.reason} at character {e.start}",
+                     code="invalid_unicode", param=path or None) from None
+  elif isinstance(v, dict):
+    for k, x in v.items():
+      _check_unicode(k, path)
+      _check_unicode(x, f"{path}.{k}" if path else k)
+  elif isinstance(v, list):
+    for i, x in enumerate(v):
+      _check_unicode(x, f"{path}[{i}]")
+
+
+def _check_fields(body: dict, kind: str) -> None:
+  """400 ``unsupported_parameter`` for a field this endpoint does not know, or a refused field's value."""
+  for name, v in body.items():
+    where = FIELDS.get(name, (None,))[0]
+    if where not in ("both", kind):
+      endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+      raise APIError(400, f"'{name}' is not a field of {endpoint} on this server (docs/serving.md lists "
+                          "them)", code="unsupported_parameter", param=name)
+    if name in REFUSED and v is not None:
+      accepted, why = REFUSED[name]
+      if not any(type(v) is type(a) and v == a or _same_number(v, a) for a in accepted):
+        raise APIError(400, f"'{name}'={json.dumps(v)[:80]}: {why}", code="unsupported_parameter", param=name)
+
+
+def _same_number(v: Any, a: Any) -> bool:
+  num = (int, float)
+  return (isinstance(v, num) and isinstance(a, num) and not isinstance(v, bool) and not isinstance(a, bool)
+          and v == a)
 
 
 def _type_error(name: str, want: str, v: Any) -> APIError:
@@ -116,6 +223,30 @@ def _get_float(body: dict, name: str, default: Optional[float]) -> Optional[floa
   if not math.isfinite(v):
     raise APIError(400, f"'{name}' must be finite, got {v}", param=name)
   return float(v)
+
+
+def _get_str(body: dict, name: str) -> Optional[str]:
+  v = body.get(name)
+  if v is not None and not isinstance(v, str):
+    raise _type_error(name, "a string", v)
+  return v
+
+
+def _parse_logprobs(body: dict, kind: str) -> Optional[int]:
+  """None (no logprobs) or how many alternatives per token: completions' ``logprobs`` (int), chat's
+  ``logprobs`` (bool) with ``top_logprobs`` (int)."""
+  if kind == "completion":
+    k, name = _get_int(body, "logprobs", None), "logprobs"
+  else:
+    on = _get_bool(body, "logprobs", False)
+    k, name = _get_int(body, "top_logprobs", None), "top_logprobs"
+    if k is not None and not on:
+      raise APIError(400, "'top_logprobs' needs logprobs=true", param="top_logprobs")
+    if on and k is None:
+      k = 0
+  if k is not None and not 0 <= k <= MAX_LOGPROBS:
+    raise APIError(400, f"'{name}' must be in [0, {MAX_LOGPROBS}], got {k}", param=name)
+  return k
 
 
 def _is_token_list(v: Any) -> bool:
@@ -177,6 +308,7 @@ def _parse_messages(body: dict) -> list[dict]:
 def parse_request(body: dict, kind: str, served_model_names: Sequence[str]) -> tuple[ParsedRequest, Any]:
   """Validates ``body`` of a /v1/completions (``kind="completion"``) or /v1/chat/completions
   (``kind="chat"``) request. Returns (ParsedRequest with prompt None for chat, messages or None)."""
+  _check_fields(body, kind)
   model = body.get("model")
   if model is None:
     model = served_model_names[0]
@@ -212,8 +344,13 @@ def parse_request(body: dict, kind: str, served_model_names: Sequence[str]) -> t
   if seed is not None and not 0 <= seed < 2**32:
     raise APIError(400, f"'seed' must be in [0, 2**32), got {seed}", param="seed")
   n = _get_int(body, "n", 1)
-  if n != 1:
-    raise APIError(400, f"only n=1 is supported, got n={n}", param="n")
+  if not 1 <= n <= 16:
+    raise APIError(400, f"'n' must be in [1, 16], got {n}", param="n")
+  best_of = _get_int(body, "best_of", None)
+  if best_of is not None and best_of != n:
+    raise APIError(400, f"'best_of'={best_of}: only best_of = n (or unset) is supported (no server-side "
+                        "ranking of choices)", code="unsupported_parameter", param="best_of")
+  logprobs = _parse_logprobs(body, kind)
   stop = body.get("stop")
   if stop is None:
     stop = ()
@@ -237,9 +374,11 @@ def parse_request(body: dict, kind: str, served_model_names: Sequence[str]) -> t
     raise _type_error("stream_options", "an object", so)
   include_usage = bool(so and so.get("include_usage"))
   ignore_eos = _get_bool(body, "ignore_eos", False)
-  echo = _get_bool(body, "echo", False) if kind == "completion" else False
-  if echo:
-    raise APIError(400, "'echo' is not supported", param="echo")
+  if logprobs is not None and stream:
+    raise APIError(400, "'logprobs' with stream=true is not supported: the engine returns no per-step "
+                        "log-probabilities (send the request without stream)", code="unsupported_parameter",
+                   param="logprobs")
+  _get_str(body, "user")
   return_token_ids = _get_bool(body, "return_token_ids", False)
   slos = {}
   for name in ("ttft_slo", "tbt_slo"):
@@ -252,8 +391,24 @@ def parse_request(body: dict, kind: str, served_model_names: Sequence[str]) -> t
                       max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                       stop=stop, stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
                       return_token_ids=return_token_ids, request_id=f"{prefix}-{uuid.uuid4().hex[:24]}",
-                      **slos)
+                      n=n, logprobs=logprobs, **slos)
   return req, messages
+
+
+def served_context(model_len: int, num_device_blocks: int, block_size: int,
+                   explicit: Optional[int] = None) -> int:
+  """The context (prompt + output tokens of one request) the server offers: ``model_len`` (the engine's,
+  from the model's positions or ``--max_model_len``) capped at what the device KV pool holds for one
+  sequence (``num_device_blocks * block_size``), so every request the server accepts can run.
+
+  ``explicit`` (the ``--max_model_len`` the user gave, or None) may not exceed the pool: ``ValueError``
+  with one line naming both numbers (a server that could never fill the context it advertises)."""
+  pool = num_device_blocks * block_size
+  if explicit is not None and explicit > pool:
+    raise ValueError(f"--max_model_len={explicit} exceeds the {pool} tokens the device KV pool holds for one "
+                     f"sequence ({num_device_blocks} blocks x {block_size}): lower --max_model_len or raise "
+                     "--num_device_blocks")
+  return min(model_len, pool)
 
 
 def check_lengths(req: ParsedRequest, prompt_len: int, max_model_len: int) -> int:
@@ -282,37 +437,68 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def finish_reason_out(reason: Optional[str]) -> Optional[str]:
-  return reason if reason in ("stop", "length") else (None if reason is None else "stop")
+  """The engine's finish reason as the client sees it: stop, length, or abort (the server ended it)."""
+  return reason if reason in ("stop", "length", "abort") else (None if reason is None else "stop")
 
 
-def full_response(req: ParsedRequest, created: int, text: str, token_ids: list[int], finish_reason: str,
-                  prompt_tokens: int) -> dict:
+@dataclasses.dataclass
+class Choice:
+  """One finished choice of a non-streamed response. ``logprobs``: per output token, (its logprob, the top
+  alternatives as [(token text, logprob)]), with ``tokens`` the token texts; None when not asked for."""
+  text: str
+  token_ids: list[int]
+  finish_reason: Optional[str]
+  tokens: Optional[list[str]] = None
+  logprobs: Optional[list[tuple[float, list[tuple[str, float]]]]] = None
+
+
+def logprobs_body(req: ParsedRequest, tokens: list[str], lps: list[tuple[float, list[tuple[str, float]]]]) -> dict:
+  """A choice's ``logprobs`` in the endpoint's format: chat ``{"content": [{token, logprob, bytes,
+  top_logprobs}]}``, completions ``{tokens, token_logprobs, top_logprobs, text_offset}``."""
   if req.kind == "chat":
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-              "finish_reason": finish_reason_out(finish_reason)}
-    obj = "chat.completion"
-  else:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason_out(finish_reason)}
-    obj = "text_completion"
-  if req.return_token_ids:
-    choice["token_ids"] = list(token_ids)
-  return {"id": req.request_id, "object": obj, "created": created, "model": req.model, "choices": [choice],
-          "usage": usage(prompt_tokens, len(token_ids))}
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")),
+                         "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode("utf-8"))}
+                                          for a, alp in top]}
+                        for t, (lp, top) in zip(tokens, lps)]}
+  offsets, pos = [], 0
+  for t in tokens:
+    offsets.append(pos)
+    pos += len(t)
+  return {"tokens": list(tokens), "token_logprobs": [lp for lp, _ in lps],
+          "top_logprobs": [dict(top) for _, top in lps], "text_offset": offsets}
+
+
+def full_response(req: ParsedRequest, created: int, choices: Sequence[Choice], prompt_tokens: int) -> dict:
+  out = []
+  for i, c in enumerate(choices):
+    lp = logprobs_body(req, c.tokens, c.logprobs) if c.logprobs is not None else None
+    if req.kind == "chat":
+      choice = {"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                "finish_reason": finish_reason_out(c.finish_reason)}
+    else:
+      choice = {"index": i, "text": c.text, "logprobs": lp, "finish_reason": finish_reason_out(c.finish_reason)}
+    if req.return_token_ids:
+      choice["token_ids"] = list(c.token_ids)
+    out.append(choice)
+  return {"id": req.request_id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
+          "created": created, "model": req.model, "choices": out,
+          "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices))}
 
 
 def chunk(req: ParsedRequest, created: int, text: Optional[str], token_ids: Sequence[int],
-          finish_reason: Optional[str], *, first: bool = False) -> dict:
-  """One streamed chunk (a text delta, possibly empty, and the final one with its finish reason)."""
+          finish_reason: Optional[str], *, first: bool = False, index: int = 0) -> dict:
+  """One streamed chunk of choice ``index`` (a text delta, possibly empty, or the final one with its finish
+  reason)."""
   if req.kind == "chat":
     delta: dict = {}
     if first:
       delta["role"] = "assistant"
     if text is not None:
       delta["content"] = text
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason_out(finish_reason)}
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason_out(finish_reason)}
     obj = "chat.completion.chunk"
   else:
-    choice = {"index": 0, "text": text or "", "logprobs": None,
+    choice = {"index": index, "text": text or "", "logprobs": None,
               "finish_reason": finish_reason_out(finish_reason)}
     obj = "text_completion"
   if req.return_token_ids:

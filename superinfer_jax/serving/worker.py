@@ -7,6 +7,7 @@ HTTP handlers (asyncio) talk to it only through ``EngineWorker``'s methods, whic
   ``("output", RequestOutput)`` per step with new tokens (the last one has ``finished``),
   ``("error", APIError)`` when it fails (rejected by the engine: 400; a step raised: 500).
 * ``abort(request_id)`` (client gone) puts an "abort" command; the request's blocks are freed at once.
+* ``abort_all()`` (the end of a graceful drain) aborts every live request, each with a 503 error event.
 * ``call(fn)`` runs ``fn(engine)`` in the engine thread between steps and returns a future (metrics
   snapshots, invariant checks).
 
@@ -25,6 +26,9 @@ adds carry process 0's clock reading as their arrival time; a shutdown is a batc
 request and stops every loop. A failed step is fatal there (the engines cannot be drained or rebuilt in
 lockstep): the engine thread ends and ``/health`` answers 503.
 
+``warmup(engine)`` (e.g. precompiling every step shape) runs in the engine thread before the loop; ``ready``
+says it is done (the app answers 503 until then). A step that compiles a new shape is logged as such.
+
 Admission is bounded by ``max_queue``: at most that many requests accepted and not yet finished (waiting,
 running, rotary or still in the command queue); beyond it ``submit`` raises a 429 ``APIError``.
 """
@@ -36,6 +40,7 @@ import gc
 import logging
 import queue
 import threading
+import time
 import traceback
 from typing import Any, Callable, Optional
 
@@ -50,7 +55,7 @@ class EngineWorker:
 
   def __init__(self, engine: Any, loop: Optional[asyncio.AbstractEventLoop], *, max_queue: int = 256,
                metrics: Any = None, engine_factory: Optional[Callable[[], Any]] = None,
-               idle_wait_s: float = 0.05, channel: Any = None):
+               idle_wait_s: float = 0.05, channel: Any = None, warmup: Optional[Callable[[Any], None]] = None):
     if max_queue < 1:
       raise ValueError(f"max_queue must be >= 1, got {max_queue}")
     if channel is not None and engine_factory is not None:
@@ -72,6 +77,9 @@ class EngineWorker:
     self.channel = channel
     self.step_errors = 0
     self.fatal: Optional[str] = None
+    self.warmup = warmup
+    self._ready = threading.Event()
+    self._compiled = -1                            # the engine's compiled step variants after the last step
 
   # ------------------------------------------------------------------------------- event-loop side
   def start(self) -> None:
@@ -80,6 +88,11 @@ class EngineWorker:
   @property
   def alive(self) -> bool:
     return self._thread.is_alive() and not self._stop.is_set()
+
+  @property
+  def ready(self) -> bool:
+    """The warm-up (if any) has run: the engine serves."""
+    return self._ready.is_set()
 
   @property
   def num_admitted(self) -> int:
@@ -111,6 +124,10 @@ class EngineWorker:
 
   def abort(self, request_id: str) -> None:
     self._cmds.put(("abort", request_id))
+
+  def abort_all(self) -> None:
+    """Aborts every live request as a shutdown would (each gets a 503 error event), without stopping."""
+    self._cmds.put(("abort_all",))
 
   def call(self, fn: Callable[[Any], Any]) -> "asyncio.Future":
     """Runs ``fn(engine)`` in the engine thread; an awaitable of its result."""
@@ -189,6 +206,11 @@ class EngineWorker:
           del live[cmd[1]]
       elif kind == "call":
         self._calls.append(cmd)
+      elif kind == "abort_all":
+        for rid in live:
+          events.append(AbortEvent(rid, shutdown=True))
+          queues.append(None)
+        live.clear()
     if stopping:
       for rid in live:
         events.append(AbortEvent(rid, shutdown=True))
@@ -231,7 +253,7 @@ class EngineWorker:
         if q is not None:
           self._sinks[rid] = q
           if self.metrics is not None:
-            self.metrics.on_arrival(rid, self.engine.get_request(rid).arrival_time)
+            self.metrics.on_arrival(rid, self.engine.get_request(rid).arrival_time, len(ev.prompt))
       else:
         rid = ev.request_id
         sink = self._sinks.pop(rid, None)
@@ -294,7 +316,14 @@ class EngineWorker:
       freeze_heap()
 
   def _step(self) -> None:
+    t0 = time.perf_counter()
     outputs = self.engine.step()
+    compiled = self.engine.num_compiled_shapes() if hasattr(self.engine, "num_compiled_shapes") else -1
+    if compiled > self._compiled >= 0:
+      log.warning("a step compiled %d new shape(s) on the request path (%.2f s; %d compiled in all): "
+                  "--precompile with the bucket floors at their maxima compiles every shape before serving",
+                  compiled - self._compiled, time.perf_counter() - t0, compiled)
+    self._compiled = compiled
     for o in outputs:
       q = self._sinks.get(o.request_id)
       if q is None:           # aborted by its client: drop, forget
@@ -318,6 +347,10 @@ class EngineWorker:
 
   def _run(self) -> None:
     try:
+      if self.warmup is not None:
+        self.warmup(self.engine)
+      self._compiled = self.engine.num_compiled_shapes() if hasattr(self.engine, "num_compiled_shapes") else -1
+      self._ready.set()
       while True:
         batch, queues = self._next_batch()
         self._apply(batch, queues)
