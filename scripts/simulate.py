@@ -6,7 +6,7 @@
   python scripts/simulate.py --hardware=h200 --model=qwen2.5-32b --rps=5,10,20 --vary=transfer_mode:naive,duplex
   python scripts/simulate.py --hardware=gh200 --model=qwen2.5-32b --vary=swap_bandwidth_gbps:50,100,150
 
-Flags: the workload / sweep flags of scripts/run_experiment.py (``experiment.runner.SweepSpec``), the engine's
+Flags: the workload / sweep flags of scripts/run_experiment.py (``sweep.SweepSpec``), the engine's
 config tree (``engine.config.EngineConfig``: pools, pipeline, --transfer_mode, --kv_layout, scheduler knobs)
 and the simulator's own (``sim.config.SimConfig``: --hardware, --model_profile, --swap_bandwidth_gbps,
 --tensor_parallel_size, --fixed_step_s, --trace, --trace_arrivals). ``--trace PATH`` replays an Azure LLM
@@ -28,7 +28,7 @@ from absl import app, flags  # noqa: E402
 
 from superinfer_jax import configtree  # noqa: E402
 from superinfer_jax.engine.config import define_engine_flags, engine_config_from_flags  # noqa: E402
-from superinfer_jax.experiment.runner import SweepSpec  # noqa: E402
+from superinfer_jax.sweep import SweepSpec  # noqa: E402
 from superinfer_jax.sched.policies import POLICIES  # noqa: E402
 from superinfer_jax.sim.config import SimConfig  # noqa: E402
 from superinfer_jax.sim.figures import figure_names, get_figure, part_configs, run_figure  # noqa: E402

@@ -2,7 +2,7 @@
 
 Each field is declared once with ``configtree.knob`` and becomes a flag of ``scripts/simulate.py`` like every
 other setting; the engine's settings (pools, pipeline, transfer mode, layout, scheduler knobs) come from the
-one ``EngineConfig`` tree and the workload's from ``experiment.runner.SweepSpec``. ``--hardware`` is shared
+one ``EngineConfig`` tree and the workload's from ``sweep.SweepSpec``. ``--hardware`` is shared
 with ``SweepSpec.hardware`` (the results' hardware label): in the simulator the profile's name is the label.
 Frozen, validated at construction (``ValueError`` naming the field). No JAX.
 """
@@ -62,7 +62,7 @@ class SimConfig:
     return configtree.build(cls, settings)
 
   def replace(self, **settings) -> "SimConfig":
-    """A copy with the given settings changed (also what ``experiment.runner.apply_variant`` calls)."""
+    """A copy with the given settings changed (also what ``sweep.apply_variant`` calls)."""
     return configtree.build(type(self), settings, base=self)
 
   def as_flat_dict(self) -> dict:

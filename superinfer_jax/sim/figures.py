@@ -9,7 +9,7 @@ figure itself (``metrics.plots.plot_figure_panels``: a column per panel, a row p
 policy / variant). Settings the user gave on the command line (``explicit``) win over the figure's, so
 ``--figure=main --num_requests=24`` is a quick look at the same experiment.
 
-Layout of ``output_dir`` (fresh: an earlier one is moved aside, ``experiment.runner.fresh_output_dir``):
+Layout of ``output_dir`` (fresh: an earlier one is moved aside, ``sweep.fresh_output_dir``):
   figure-<name>.png            the figure
   figure.json                  the figure's description, each part's settings as applied, row counts
   results.jsonl, requests-*    the runs, for a one-part figure; else one such directory per part:
@@ -24,7 +24,7 @@ import json
 import os
 from typing import Any, Optional, Sequence
 
-from superinfer_jax.experiment.runner import SweepSpec, fresh_output_dir
+from superinfer_jax.sweep import SweepSpec, fresh_output_dir
 from superinfer_jax.metrics import plots as plots_lib
 from superinfer_jax.metrics.results import format_comparison_table
 from superinfer_jax.sim.config import SimConfig

@@ -16,7 +16,7 @@ Differences from the real sweep, on purpose:
     ``--model``, else from SmolLM2's (the only tokenizer packaged offline): a stand-in for the GPU models'
     own tokenizers, whose counts differ by some tens of percent.
   * ``--time_limit_s`` is virtual time.
-No JAX (``experiment.runner`` imports none at module level).
+Host-side only: no JAX, and nothing of the real-run harness (``experiment``); the sweep spec is ``superinfer_jax.sweep``.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ import math
 import os
 from typing import Any, Optional
 
-from superinfer_jax.experiment.runner import (SweepSpec, fresh_output_dir, apply_variant,  # noqa: F401
-                                              finish_report, variant_label)
+from superinfer_jax.sweep import (SweepSpec, fresh_output_dir, apply_variant,  # noqa: F401
+                                  finish_report, variant_label)
 from superinfer_jax.metrics.results import RESULTS_SCHEMA, append_results_row, results_row
 from superinfer_jax.metrics.timeline import requests_filename, write_timelines
 from superinfer_jax.model.config import load_config
@@ -260,7 +260,7 @@ def _row(spec: SweepSpec, setup: RunSetup, res, label: str, policy: str, variant
 
 
 def report(output_dir: str, rows) -> str:
-  """Plots + the comparison table (``experiment.runner.finish_report``)."""
+  """Plots + the comparison table (``sweep.finish_report``)."""
   return finish_report(output_dir, rows)
 
 
