@@ -31,12 +31,16 @@ class SimConfig:
   trace: Optional[str] = knob(
       None, "replay a recorded trace CSV instead of --dataset: Azure LLM inference "
             "(TIMESTAMP,ContextTokens,GeneratedTokens) or Splitwise (arrived_at,num_prefill_tokens,"
-            "num_decode_tokens), told apart by the header; the first --num_requests requests within the "
+            "num_decode_tokens), told apart by the header, or a packaged trace's name ('splitwise': the "
+            "Splitwise conversation trace in workload/data/); the first --num_requests requests within the "
             "length filters", none_as="")
   trace_arrivals: str = knob(
       "recorded", "with --trace: 'recorded' replays the trace's own arrival times (--rps is ignored; the "
                   "rows' rps is the trace's mean rate); 'rescale' stretches them to each --rps value, "
                   "keeping the burstiness", choices=("recorded", "rescale"))
+  length_scale: float = knob(
+      1.0, "multiply every request's prompt and output length by this (rounded, clipped to the context): a "
+           "length-scaled variant of --dataset or --trace (1: as loaded); the rows' length_scale")
   fixed_step_s: float = knob(0.0, "every model step takes this many seconds instead of the roofline's time "
                                   "(0: the roofline; transfers are still modelled)")
 
@@ -47,6 +51,9 @@ class SimConfig:
       raise ValueError(f"SimConfig.model_profile must be None or a name / path, got {self.model_profile!r}")
     if self.trace is not None and (not isinstance(self.trace, str) or not self.trace):
       raise ValueError(f"SimConfig.trace must be None or a CSV path, got {self.trace!r}")
+    v = self.length_scale
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+      raise ValueError(f"SimConfig.length_scale must be a finite number > 0, got {v!r}")
     if self.trace_arrivals not in ("recorded", "rescale"):
       raise ValueError(f"SimConfig.trace_arrivals must be 'recorded' or 'rescale', got {self.trace_arrivals!r}")
     for name in ("swap_bandwidth_gbps", "fixed_step_s"):
