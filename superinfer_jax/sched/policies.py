@@ -356,9 +356,10 @@ class WaitingFirst(Policy):
       free = sched.bm.num_free_device_blocks - grow
       if free < sched.demand_blocks:
         plan.contention = True
-      victims = self.pick_victims(sched, free, sched.budget_left() - run_tokens)
-      if victims:
-        sched.rotate_out_many(victims)
+      if plan.contention or sched.seats_left() < len(sched.waiting):  # else every waiting request fits
+        victims = self.pick_victims(sched, free, sched.budget_left() - run_tokens)
+        if victims:
+          sched.rotate_out_many(victims)
     evicted = sched.schedule_running(self.reactive_mode)
     if evicted:
       return
