@@ -5,8 +5,9 @@
       --rps=40 --policies=fcfs,rotasched --output_dir=runs/sim-gh200
   python scripts/simulate.py --hardware=h200 --model=qwen2.5-32b --rps=5,10,20 --vary=transfer_mode:naive,duplex
   python scripts/simulate.py --hardware=gh200 --model=qwen2.5-32b --vary=swap_bandwidth_gbps:50,100,150
+  python scripts/simulate.py --figure=motivation --figure_workload=splitwise --seeds=5
 
-Flags: the workload / sweep flags of scripts/run_experiment.py (``experiment.runner.SweepSpec``), the engine's
+Flags: the workload / sweep flags of scripts/run_experiment.py (``sweep.SweepSpec``), the engine's
 config tree (``engine.config.EngineConfig``: pools, pipeline, --transfer_mode, --kv_layout, scheduler knobs)
 and the simulator's own (``sim.config.SimConfig``: --hardware, --model_profile, --swap_bandwidth_gbps,
 --tensor_parallel_size, --fixed_step_s, --trace, --trace_arrivals). ``--trace PATH`` replays an Azure LLM
@@ -15,8 +16,9 @@ that differ from run_experiment.py (the paper's GPU setting, docs/paper.md §2.2
 --dtype=bfloat16, --num_device_blocks=0 (size the pool from the profile's HBM), --num_host_blocks=-1 with
 --host_gib=400, --max_num_seqs=16384 and --max_num_batched_tokens=16384. --calibrate is ignored (nothing is
 measured). ``--figure NAME`` reruns a paper experiment (motivation, bandwidth, main, budget, alpha_beta,
-ablation, tp; ``sim/figures.py``) with its plot, e.g. ``--figure=budget --hardware=h200``. See
-docs/simulator.md.
+headline, ablation, tp; ``sim/figures.py``) on ``--figure_workload`` (sharegpt, sharegpt_long, splitwise)
+over ``--seeds`` seeds (default 5) with its plot, per-point mean and min-max, contention and the paper's
+claims checked on every seed, e.g. ``--figure=budget --figure_workload=splitwise``. See docs/simulator.md.
 """
 import os
 import shlex
@@ -28,10 +30,11 @@ from absl import app, flags  # noqa: E402
 
 from superinfer_jax import configtree  # noqa: E402
 from superinfer_jax.engine.config import define_engine_flags, engine_config_from_flags  # noqa: E402
-from superinfer_jax.experiment.runner import SweepSpec  # noqa: E402
+from superinfer_jax.sweep import SweepSpec  # noqa: E402
 from superinfer_jax.sched.policies import POLICIES  # noqa: E402
 from superinfer_jax.sim.config import SimConfig  # noqa: E402
-from superinfer_jax.sim.figures import figure_names, get_figure, part_configs, run_figure  # noqa: E402
+from superinfer_jax.sim.figures import (DEFAULT_WORKLOAD, figure_names, get_figure, part_configs,  # noqa: E402
+                                       run_figure, workload_names)
 from superinfer_jax.sim.runner import (read_sim_trace, report, resolve_run, run_sim_sweep,  # noqa: E402
                                       validate_variants)
 
@@ -49,6 +52,12 @@ flags.DEFINE_bool("validate_reuse", False,
                   "with --validate: reuse the real runs and step records already in --output_dir (redo only the "
                   "fits and the simulations)")
 flags.DEFINE_bool("figure_timelines", False, "with --figure: also draw each run's per-request timeline (slow)")
+flags.DEFINE_integer("seeds", 5, "with --figure: run every point on this many seeds (--seed, --seed + 1, ...) and "
+                                 "report mean and min-max; a claim holds only if it holds on each", lower_bound=1)
+flags.DEFINE_enum("figure_workload", DEFAULT_WORKLOAD, workload_names(),
+                  "with --figure: the workload (sim/figures.py WORKLOADS): the ShareGPT stand-in as loaded, its "
+                  "length-scaled variant, or the Splitwise trace (time-scaled; its RPS is the figure's x its "
+                  "rps_scale)")
 
 SIM_DEFAULTS = dict(model="llama-3-8b", dtype="bfloat16", num_device_blocks=0, num_host_blocks=-1,
                     host_gib=400.0, max_num_seqs=16384, max_num_batched_tokens=16384,
@@ -70,7 +79,7 @@ def main(argv):
       raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
     if FLAGS.figure:
       explicit = {name for name in FLAGS if FLAGS[name].present and name != "figure"}
-      checks = [part_configs(p, spec, config, sim_config, explicit=explicit)[:3]
+      checks = [part_configs(p, spec, config, sim_config, explicit=explicit, workload=FLAGS.figure_workload)[:3]
                 for p in get_figure(FLAGS.figure).parts]
     else:
       checks = [(spec, config, sim_config)]
@@ -92,7 +101,8 @@ def main(argv):
   if FLAGS.figure:
     res = run_figure(FLAGS.figure, spec, config, sim_config, explicit=explicit,
                      output_dir=spec.output_dir if FLAGS["output_dir"].present else None,
-                     timelines=FLAGS.figure_timelines)
+                     timelines=FLAGS.figure_timelines, seeds=range(spec.seed, spec.seed + FLAGS.seeds),
+                     workload=FLAGS.figure_workload)
     print(res.report)
     return
   rows = run_sim_sweep(spec, config, sim_config)

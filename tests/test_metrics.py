@@ -55,6 +55,12 @@ def test_compute_metrics_hand_computed():
   assert m["ttft_attainment"] == 0.5
   # TBT: 5 of 6 gaps <= 0.125 (a's gaps sit exactly at the SLO and pass).
   assert m["tbt_attainment"] == pytest.approx(5 / 6)
+  # Per request: a's worst gap 0.125 passes, b has no gap and passes, c's 2.0 fails, d unfinished -> 2/4.
+  assert m["tbt_request_attainment"] == 0.5
+  # Worst gap per request with a gap: a 0.125, c 2.0 -> P99 = 0.125 + 0.99 * 1.875 (one value per request).
+  assert m["tbt_worst_p50_s"] == pytest.approx((0.125 + 2.0) / 2)
+  assert m["tbt_worst_p99_s"] == pytest.approx(0.125 + 0.99 * 1.875)
+  assert m["tbt_worst_p99_s"] > m["tbt_p99_s"]
   # SLO: only b (1 token, judged on TTFT alone); c's TPOT 0.708 > 0.125; d unfinished.
   assert m["slo_attainment"] == 0.25
   # Throughput: 9 output tokens of finished requests over [0, 3.625] s.
@@ -82,9 +88,26 @@ def test_rotation_gap_breaks_tbt_not_ttft():
   assert m["tbt_p99_s"] > 1.9
 
 
+def test_one_stall_among_many_fast_gaps():
+  """200 requests of 101 tokens, 10 ms apart; 5 of them stall once for 3 s. Pooled, the stalls are 5 gaps
+  in 20,000 (P99 stays 10 ms, 99.975% of gaps attain); per request they are 5 in 200 (2.5% > 1%)."""
+  tls = []
+  for i in range(200):
+    times = [1.0 + 0.01 * k for k in range(101)]
+    if i % 40 == 7:
+      times = times[:50] + [t + 3.0 for t in times[50:]]
+    tls.append(RequestTimeline(f"r{i}", 0.0, 8, 101, times, [(0.0, "waiting"), (0.5, "running")], "length"))
+  m = M.compute_metrics(tls, ttft_slo_s=2.0, tbt_slo_s=0.1)
+  assert m["tbt_p99_s"] == pytest.approx(0.01)
+  assert m["tbt_attainment"] == pytest.approx(1 - 5 / 20000)
+  assert m["tbt_request_attainment"] == pytest.approx(195 / 200)
+  assert m["tbt_worst_p99_s"] == pytest.approx(3.01)
+
+
 def test_empty_and_no_gap_cases():
   m = M.compute_metrics([], ttft_slo_s=1.0, tbt_slo_s=0.1)
   assert m["num_requests"] == 0 and m["ttft_p99_s"] is None and m["tbt_attainment"] == 1.0
+  assert m["tbt_request_attainment"] == 0.0 and m["tbt_worst_p99_s"] is None
   assert m["output_throughput_tok_s"] == 0.0
   one = RequestTimeline("y", 0.0, 4, 1, [0.25], [], "length")
   m = M.compute_metrics([one], ttft_slo_s=1.0, tbt_slo_s=0.1)

@@ -163,6 +163,34 @@ def test_wf_rotates_running_out_for_waiting_and_ranks_waiting_above_rotary():
   assert p.admitted == ["w2"] and p.rotated_in == [] and p.rotated_out == ["w"]
 
 
+def test_wf_preempts_latest_arrival_for_waiting_and_parks_rotary_while_any_waits():
+  """The paper's WF on a hand-worked contended case (2 one-block slots; bs 4, prompt 2, 3 tokens: 1 block).
+
+  t=0 A and t=0.1 B fill the pool. C arrives at 0.15: at t=0.2 WF rotates out B, the latest arrival (static
+  priority, no lag rule), and admits C in the same step; rotasched rotates out A instead, the longest-running
+  (most negative VLT). A finishes at t=0.2, freeing its block; D arrives at 0.25. At t=0.3 WF admits D and
+  keeps B parked (a request waits, so rotary ones do not resume), although B's VLT (3 x 0.1 = 0.3) is above
+  D's (ReLU(0.05 - 2.5) = 0): rotasched resumes B there.
+  """
+  out = {}
+  for policy in ("wf", "rotasched"):
+    s, bm, clk = make(policy, dev=2, proactive_swap_budget=100, max_num_batched_tokens=16)
+    add(s, "A", 0.0)
+    assert step(s, clk).admitted == ["A"]          # t=0
+    add(s, "B", 0.05)
+    assert step(s, clk).admitted == ["B"]          # t=0.1: the pool is full
+    add(s, "C", 0.15)
+    p2 = step(s, clk)                              # t=0.2
+    add(s, "D", 0.25)
+    p3 = step(s, clk)                              # t=0.3
+    out[policy] = (p2, p3, s.get("B").state)
+  p2, p3, b_state = out["wf"]
+  assert p2.contention and p2.rotated_out == ["B"] and p2.admitted == ["C"]
+  assert p3.admitted == ["D"] and p3.rotated_in == [] and b_state is RequestState.ROTARY
+  p2, p3, b_state = out["rotasched"]
+  assert p2.rotated_out == ["A"] and p2.admitted == ["C"]
+
+
 def _run(s, clk, arrivals, dt=0.1, max_steps=500):
   """Drives ``s`` to completion; ``arrivals`` = [(time, rid, prompt, max_tokens)]. Returns (plans, first
   token time per request)."""
@@ -198,7 +226,8 @@ def test_sf_degenerates_to_fcfs_and_differs_from_wf():
     plans, first = _run(s, clk, _CONTENDED)
     order = sorted(first, key=lambda r: (first[r], r))
     rot = sum(len(p.rotated_out) for p in plans)
-    runs[policy] = (order, first, rot, sum(len(p.preempted) for p in plans))
+    runs[policy] = (order, first, rot, sum(len(p.preempted) for p in plans),
+                    sum(len(p.rotated_out) for p in plans if p.admitted))
   # fcfs: long1 is recompute-preempted when long0 grows; sf and fcfs_swap swap it out instead. All three
   # give the late requests their first tokens only after the long ones: the same first-token order.
   assert runs["fcfs"][0] == runs["sf"][0] == runs["fcfs_swap"][0] == ["long0", "long1", "late0", "late1"]
@@ -207,7 +236,8 @@ def test_sf_degenerates_to_fcfs_and_differs_from_wf():
   assert runs["sf"][1]["late0"] == runs["fcfs_swap"][1]["late0"] <= runs["fcfs"][1]["late0"]
   # wf rotates long requests out as soon as the late ones arrive: they get first tokens earlier.
   assert runs["wf"][1]["late0"] < runs["sf"][1]["late0"] and runs["wf"][1]["late1"] < runs["sf"][1]["late1"]
-  assert runs["wf"][2] > runs["sf"][2]
+  # ... by proactive rotation: wf rotates out in steps that admit; sf never does (it evicts only reactively).
+  assert runs["wf"][4] >= 1 and runs["sf"][4] == 0
 
 
 def test_sf_resumes_oldest_swap_first_and_fcfs_swap_latest_first():

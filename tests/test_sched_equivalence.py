@@ -85,10 +85,6 @@ class ReferenceRotaSched(ReferenceMixin, P.RotaSched):
     return iter([r for _, r in ranked])
 
 
-class ReferenceWF(ReferenceMixin, P.WaitingFirst):
-  pass
-
-
 class ReferenceStrict(ReferenceMixin, P.RotaSchedStrict):
   pass
 
@@ -101,7 +97,7 @@ class ReferenceCode(P.RotaSchedCode):
   uses_running_needs = False
 
 
-REFERENCES = {"rotasched": ReferenceRotaSched, "wf": ReferenceWF, "rotasched_strict": ReferenceStrict,
+REFERENCES = {"rotasched": ReferenceRotaSched, "rotasched_strict": ReferenceStrict,
               "edf": ReferenceEDF, "rotasched_code": ReferenceCode}
 
 
@@ -150,10 +146,10 @@ def test_fast_paths_decide_as_the_references(scenario, seed, policy):
 
 
 def test_references_differ_from_each_other():
-  """The comparison has teeth: the references are not all the same policy (rotasched vs wf differ)."""
+  """The comparison has teeth: the references are not all the same policy (rotasched vs edf differ)."""
   sc = replay.SCENARIOS["bench"]
   a = replay.run_scenario("rotasched", sc, 40)
-  b = replay.run_scenario("wf", sc, 40)
+  b = replay.run_scenario("edf", sc, 40)
   assert a != b
 
 

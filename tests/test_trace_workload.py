@@ -9,7 +9,7 @@ import pytest
 
 from superinfer_jax.metrics.results import read_results
 from superinfer_jax.workload import TraceError, load_trace, read_trace, rescale_to_rps
-from superinfer_jax.workload.traces import parse_timestamp
+from superinfer_jax.workload.traces import PACKAGED_TRACES, parse_timestamp, rescale_factor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "simulate.py")
@@ -129,3 +129,43 @@ def test_simulate_script_bad_trace(tmp_path):
                         capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
   assert proc.returncode != 0 and "unknown trace format" in proc.stderr
   assert not (tmp_path / "o").exists()
+
+
+def test_rescale_factor_is_reported_and_windows_are_disjoint(tmp_path):
+  path = _write(tmp_path, "sw.csv", SPLITWISE)
+  w, _ = read_trace(path, token_ids=False)
+  assert rescale_factor(w, 3.0) == pytest.approx(0.5)      # last arrival 2 s -> 1 s
+  assert rescale_factor(w, math.inf) == 0.0 and rescale_factor(w.take(1), 3.0) == 1.0
+  first, _ = read_trace(path, token_ids=False, num_requests=2)
+  second, _ = read_trace(path, token_ids=False, num_requests=2, start=2)
+  assert [r.prompt_len for r in first] == [64, 120] and [r.prompt_len for r in second] == [33, 900]
+  assert second[0].arrival_s == 0.0 and second[1].arrival_s == pytest.approx(1.25)
+  with pytest.raises(TraceError, match="window start 4"):
+    read_trace(path, token_ids=False, start=4)
+
+
+def test_packaged_splitwise_trace():
+  assert os.path.isfile(PACKAGED_TRACES["splitwise"])
+  assert os.path.isfile(os.path.join(os.path.dirname(PACKAGED_TRACES["splitwise"]), "README.md"))
+  w, info = read_trace("splitwise", token_ids=False)
+  assert info.format == "splitwise" and info.rows == 19366 and info.kept == 19366
+  assert info.duration_s == pytest.approx(3502, abs=1)
+  s = w.stats()
+  mean_p = sum(r.prompt_len for r in w) / len(w)
+  mean_o = sum(r.output_len for r in w) / len(w)
+  assert mean_p == pytest.approx(1155, abs=1) and mean_o == pytest.approx(211, abs=1), s
+
+
+def test_scale_lengths():
+  w, _ = read_trace("splitwise", token_ids=False, num_requests=3)
+  w2 = w.scale_lengths(1.5)
+  assert [(r.prompt_len, r.output_len) for r in w2] == [
+      (round(r.prompt_len * 1.5), round(r.output_len * 1.5)) for r in w]
+  assert [r.arrival_s for r in w2] == [r.arrival_s for r in w] and w.scale_lengths(1.0) is w
+  clipped = w.scale_lengths(10.0, max_total_len=1000)
+  assert all(r.prompt_len + r.output_len <= 1000 and r.output_len >= 1 for r in clipped)
+  ids, _ = read_trace("splitwise", num_requests=1, vocab_size=500)
+  r = ids.scale_lengths(2.0)[0]
+  assert r.prompt_len == 2 * ids[0].prompt_len and r.prompt_token_ids == ids[0].prompt_token_ids * 2
+  with pytest.raises(ValueError):
+    w.scale_lengths(0.0)

@@ -16,131 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import itertools
 import json
-import math
 import os
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 from superinfer_jax import util
-from superinfer_jax.configtree import knob
 from superinfer_jax.experiment import calibrate as calib
 from superinfer_jax.experiment.replay import StepTimer, loadavg_1m, replay_workload
-from superinfer_jax.metrics import plots as plots_lib
-from superinfer_jax.metrics.results import append_results_row, format_comparison_table, results_row
+from superinfer_jax.metrics.results import append_results_row, results_row
 from superinfer_jax.metrics.timeline import requests_filename, write_timelines
-from superinfer_jax.workload.arrivals import ARRIVAL_PROCESSES
-
-
-@dataclasses.dataclass(frozen=True)
-class SweepSpec:
-  """One experiment: a model, a workload recipe, the policies, variants and loads to compare.
-
-  Every field is also a flag of ``run_experiment.py`` (``configtree.define_flags(SweepSpec)``).
-  """
-  model: str = knob("smollm2-135m", "HF dir, .gguf, orbax dir, or smollm2-135m")
-  dataset: str = knob("sharegpt", "sharegpt | synthetic | path to a ShareGPT/LMSYS/trace file")
-  num_requests: int = knob(32, "requests per run")
-  rps: str = knob("1", "comma list of request rates (requests/s); inf = all at once (ignored with "
-                       "--calibrate, which derives one)")
-  policies: str = knob("fcfs,rotasched", "comma list of scheduling policies")
-  vary: str = knob("", "engine settings to sweep, 'name:v1,v2' items joined by ';' (cartesian product), "
-                       "e.g. 'transfer_mode:naive,merged,duplex' or 'alpha:1,3;beta_b:-10,0'")
-  repeats: int = knob(1, "timed runs per (policy, variant, rps), in alternating order")
-  seed: int = knob(0, "seeds request selection and arrivals")
-  output_dir: str = knob("runs/experiment", "where results, timelines and plots go")
-  max_prompt_len: Optional[int] = knob(None, "drop requests with longer prompts", none_as=0)
-  max_output_len: Optional[int] = knob(None, "drop requests with longer outputs", none_as=0)
-  min_output_len: int = knob(1, "drop requests with shorter outputs")
-  synthetic_prompt_len: str = knob("uniform:16,256", "prompt length distribution (synthetic)")
-  synthetic_output_len: str = knob("uniform:16,128", "output length distribution (synthetic)")
-  arrival_process: str = knob("poisson", "arrival process", choices=ARRIVAL_PROCESSES)
-  burstiness: float = knob(1.0, "gamma burstiness (vLLM convention: shape = burstiness)")
-  warmup: bool = knob(True, "compile the step shapes (and measure the step time) before the timed runs")
-  calibrate: bool = knob(False, "derive the load and the SLOs from this machine's measured step time")
-  load_factor: float = knob(0.9, "--calibrate: offered load as a multiple of the engine's capacity")
-  ttft_slo_steps: float = knob(40.0, "--calibrate: TTFT SLO in measured steps")
-  tbt_slo_steps: float = knob(5.0, "--calibrate: TBT SLO in measured steps")
-  drift_tolerance: float = knob(1.5, "flag a run whose median step time leaves [warm-up / x, warm-up * x]")
-  cpu_share_tolerance: float = knob(
-      1.15, "flag a run whose CPU seconds per wall second of stepping fall below the warm-up's / x (another "
-            "process took the CPU)")
-  time_limit_s: Optional[float] = knob(None, "abort a run after this many seconds", none_as=0.0)
-  hardware: Optional[str] = knob(None, "hardware label in results (default: the JAX device kind)",
-                                 none_as="")
-  progress: bool = knob(True, "progress bars")
-
-  def __post_init__(self):
-    if not self.policy_names:
-      raise ValueError("no policies given")
-    if self.repeats < 1 or self.num_requests < 1:
-      raise ValueError("repeats and num_requests must be >= 1")
-    if any(not (r > 0) for r in self.rps_values):
-      raise ValueError(f"rps values must be > 0 (inf allowed), got {self.rps}")
-    if not self.drift_tolerance > 1.0 or not self.cpu_share_tolerance > 1.0:
-      raise ValueError(f"drift_tolerance and cpu_share_tolerance must be > 1, got {self.drift_tolerance}, "
-                       f"{self.cpu_share_tolerance}")
-    self.variants  # parses --vary (ValueError on a bad item)
-
-  def make_workload(self, tokenizer, rps: float, *, max_total_len: int, vocab_size: int):
-    """This sweep's workload at ``rps``: the same requests at every rate (only the arrivals differ)."""
-    from superinfer_jax.workload import make_workload  # pylint: disable=import-outside-toplevel
-    return make_workload(self.dataset, tokenizer, num_requests=self.num_requests, rps=rps, seed=self.seed,
-                         process=self.arrival_process, burstiness=self.burstiness, max_total_len=max_total_len,
-                         max_prompt_len=self.max_prompt_len, max_output_len=self.max_output_len,
-                         min_output_len=self.min_output_len, synthetic_prompt_len=self.synthetic_prompt_len,
-                         synthetic_output_len=self.synthetic_output_len, vocab_size=vocab_size)
-
-  @property
-  def policy_names(self) -> list[str]:
-    return [p.strip() for p in self.policies.split(",") if p.strip()]
-
-  @property
-  def rps_values(self) -> list[float]:
-    return parse_float_list(self.rps)
-
-  @property
-  def variants(self) -> list[dict[str, str]]:
-    """The cartesian product of ``vary``: a list of {setting: value-as-text} ({} when nothing varies)."""
-    axes = []
-    for item in (x.strip() for x in self.vary.split(";")):
-      if not item:
-        continue
-      name, sep, values = item.partition(":")
-      vals = [v.strip() for v in values.split(",") if v.strip()]
-      if not sep or not name.strip() or not vals:
-        raise ValueError(f"--vary item {item!r} is not 'name:v1,v2,...'")
-      axes.append([(name.strip(), v) for v in vals])
-    return [dict(combo) for combo in itertools.product(*axes)] if axes else [{}]
-
-
-def variant_label(policy: str, variant: dict[str, str]) -> str:
-  """``policy`` or ``policy[name=value,...]`` (used in rows, tables and file names)."""
-  if not variant:
-    return policy
-  return f"{policy}[{','.join(f'{k}={v}' for k, v in variant.items())}]"
-
-
-def apply_variant(engine_config, variant: dict[str, str]):
-  """``engine_config`` with the variant's settings parsed to their fields' types (bool: true/false)."""
-  from superinfer_jax import configtree  # pylint: disable=import-outside-toplevel
-  index = configtree.flat_index(type(engine_config))
-  settings = {}
-  for name, text in variant.items():
-    if name not in index:
-      raise ValueError(f"--vary: unknown engine setting {name!r}")
-    base, _ = configtree.base_type(index[name].type)
-    if base is bool:
-      if text.lower() not in ("true", "false", "1", "0"):
-        raise ValueError(f"--vary {name}: {text!r} is not a bool")
-      settings[name] = text.lower() in ("true", "1")
-    else:
-      try:
-        settings[name] = base(text)
-      except ValueError:
-        raise ValueError(f"--vary {name}: {text!r} is not a {base.__name__}") from None
-  return engine_config.replace(**settings)
+from superinfer_jax.sweep import (SweepSpec, apply_variant, finish_report, fresh_output_dir,  # noqa: F401 (re-exported)
+                                  parse_float_list, variant_label)
 
 
 def _hardware_label() -> str:
@@ -151,16 +38,6 @@ def _hardware_label() -> str:
 
 def _model_label(model: str) -> str:
   return os.path.basename(os.path.normpath(model)) if os.path.exists(model) else model
-
-
-def fresh_output_dir(path: str) -> None:
-  """Creates ``path``; an earlier run's non-empty directory is moved to ``<path>.prev-<time>`` first
-  (nothing is overwritten or lost)."""
-  if os.path.isdir(path) and os.listdir(path):
-    moved = f"{os.path.normpath(path)}.prev-{time.strftime('%Y%m%d-%H%M%S')}"
-    os.rename(path, moved)
-    print(f"[run] moved the earlier results in {path} to {moved}", flush=True)
-  os.makedirs(path, exist_ok=True)
 
 
 def _warm_up(model_tuple, engine_config, workload, progress: bool) -> tuple[int, list[float], float]:
@@ -340,36 +217,3 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None,
 
 def _ms(s: Optional[float]) -> str:
   return "-" if s is None else f"{1e3 * s:.0f} ms"
-
-
-def finish_report(output_dir: str, rows: Sequence[dict[str, Any]]) -> str:
-  """Writes the plots for ``output_dir`` and returns the comparison table + where the plots are."""
-  paths = plots_lib.plot_results_dir(output_dir)
-  table = format_comparison_table(rows)
-  lines = [table]
-  if any(r.get("perturbed") for r in rows):
-    lines.append("* = perturbed run: its median step time, or the CPU time this process got per wall second, "
-                 "drifted beyond the tolerance from the warm-up's (another process took the CPU?); compare "
-                 "such rows with care")
-  lines += ["", f"results: {os.path.join(output_dir, 'results.jsonl')}"]
-  lines += [f"plot: {p}" for p in paths]
-  return "\n".join(lines)
-
-
-def parse_float_list(text: str) -> list[float]:
-  """'1,2.5,inf' -> [1.0, 2.5, inf]; raises ValueError naming the bad item."""
-  out = []
-  for item in str(text).split(","):
-    item = item.strip()
-    if not item:
-      continue
-    try:
-      v = float(item)
-    except ValueError:
-      raise ValueError(f"not a number: {item!r} in {text!r}") from None
-    if math.isnan(v):
-      raise ValueError(f"NaN in {text!r}")
-    out.append(v)
-  if not out:
-    raise ValueError(f"empty list: {text!r}")
-  return out

@@ -512,6 +512,9 @@ FIGURE_METRICS = {
     "rotations_per_step": ("rotations per step", 1.0, False),
     "blocks_in_per_step": ("blocks in (H2D) per step", 1.0, False),
     "exposed_transfer_share": ("exposed copy time (share of run)", 1.0, False),
+    "tbt_worst_p99_s": ("P99 over requests of worst TBT (s)", 1.0, True),
+    "tbt_request_attainment": ("TBT attainment, per request (%)", 100.0, False),
+    "kv_demand_p50": ("live KV / pool, P50", 1.0, False),
 }
 
 X_LABELS = {"rps": "request rate (req/s)", "swap_bandwidth_gbps": "swap bandwidth per direction (GB/s)",
@@ -530,8 +533,9 @@ def plot_figure_panels(panels: Sequence[tuple[str, str, Sequence[dict[str, Any]]
                        metrics: Sequence[str], title: str = "", log_x: Sequence[str] = ()) -> str:
   """One figure of a paper experiment: a column per panel (``(panel title, x_key, rows)``), a row of axes
   per metric (keys of ``FIGURE_METRICS``), one line per ``series_label`` with ``row[x_key]`` on the x axis
-  (rows missing x or the metric are skipped; one point per (series, x): the last row). SLOs of the latency
-  metrics dashed; x keys in ``log_x`` on a log2 axis. -> ``out_path``."""
+  (rows missing x or the metric are skipped). Several rows at one (series, x), e.g. one per seed, draw
+  their mean with the min-max range shaded. SLOs of the latency metrics dashed; x keys in ``log_x`` on a
+  log2 axis. -> ``out_path``."""
   unknown = [m for m in metrics if m not in FIGURE_METRICS]
   if unknown or not metrics or not panels:
     raise ValueError(f"plot_figure_panels: need panels and metrics from {sorted(FIGURE_METRICS)}, got "
@@ -554,14 +558,18 @@ def plot_figure_panels(panels: Sequence[tuple[str, str, Sequence[dict[str, Any]]
     name, scale, log_y = FIGURE_METRICS[key]
     ax = axes[ri][ci]
     used.add((ri, ci))
-    points: dict[str, dict[float, float]] = {}
+    samples: dict[str, dict[float, list[float]]] = {}
     for r in rows:
       x, y = _num_value(r.get(x_key)), _num_value(r.get(key))
       if x is not None and y is not None:
-        points.setdefault(series_label(r, x_key), {})[x] = scale * y
-    for lab, pts in sorted(points.items()):
+        samples.setdefault(series_label(r, x_key), {}).setdefault(x, []).append(scale * y)
+    points = {lab: {x: sum(ys) / len(ys) for x, ys in pts.items()} for lab, pts in samples.items()}
+    for lab, pts in sorted(samples.items()):
       xs = sorted(pts)
-      ax.plot(xs, [pts[x] for x in xs], marker="o", label=lab, color=colors[lab])
+      ax.plot(xs, [points[lab][x] for x in xs], marker="o", label=lab, color=colors[lab])
+      if any(len(pts[x]) > 1 for x in xs):
+        ax.fill_between(xs, [min(pts[x]) for x in xs], [max(pts[x]) for x in xs], color=colors[lab], alpha=0.2,
+                        lw=0)
     slo_key = {"ttft_p99_s": "ttft_slo_s", "ttft_p50_s": "ttft_slo_s", "tbt_p99_s": "tbt_slo_s",
                "tbt_p50_s": "tbt_slo_s"}.get(key)
     for slo in sorted({r[slo_key] for r in rows if slo_key and r.get(slo_key)}):

@@ -175,6 +175,7 @@ TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("ttft_attainment", "TTFT%", "pct"), ("tbt_attainment", "TBT%", "pct"),
     ("ttft_p50_s", "TTFT p50 ms", "ms"), ("ttft_p99_s", "TTFT p99 ms", "ms"),
     ("tbt_p50_s", "TBT p50 ms", "ms"), ("tbt_p99_s", "TBT p99 ms", "ms"),
+    ("tbt_worst_p99_s", "worst TBT p99 ms", "ms"), ("tbt_request_attainment", "TBT req%", "pct"),
     ("tpot_p99_s", "TPOT p99 ms", "ms"), ("output_throughput_tok_s", "tok/s", "{:.1f}"),
     ("num_rotations", "rot", "{}"), ("rotations_per_step", "rot/step", "{:.2f}"),
     ("mean_residency_steps", "resid", "{:.1f}"), ("num_recompute_preemptions", "recomp", "{}"),

@@ -6,8 +6,9 @@
 * ``fcfs_swap``: vLLM v1 with swap preemption. As fcfs, but the reactive victim is **swapped** to host
   (recompute if mid-prefill or the host is full) and re-queued at the head, as fcfs re-queues its recompute
   victims: the most recently evicted request resumes first (LIFO), before any new one. No proactive rotation.
-* ``wf``: Waiting-First (docs/paper.md §3) as a static ranking inside Algorithm 1: waiting (arrival order) >
-  rotary (FIFO) > running; running requests rotate out (longest-running first) to admit waiting ones.
+* ``wf``: Waiting-First (docs/paper.md §3, the paper's "WF" of Fig. 1): a static priority, waiting > running >
+  rotary, with no lag rule and no B_xfer. Waiting requests are admitted in arrival order, and running ones
+  rotate out (latest arrival first) to make room; rotary requests resume only when no request waits.
 * ``sf``: Swapped-First (docs/paper.md §3), vLLM v0's swap policy: no proactive rotation; the reactive victim is
   swapped to host; in a step without evictions, swapped requests resume oldest-swap first (FIFO), and new
   requests are admitted only while no request is swapped out. It protects TBT and degenerates to about FCFS.
@@ -321,14 +322,86 @@ class RotationPolicy(Policy):
     sched.admit_in_order(R, cap=bx, prechecked=True)  # R: prioritize's, checked in this step
 
 
-class WaitingFirst(RotationPolicy):
+class WaitingFirst(Policy):
+  """Waiting-First, the paper's "WF" (docs/paper.md §3, Fig. 1): waiting requests are admitted first, in
+  arrival order, and running requests rotate out to host (the latest-arriving first) to make room for them;
+  rotary requests resume, oldest rotation first, only in a step that leaves no request waiting.
+
+  The priority is static (waiting > running > rotary, ties by arrival): no VLT, no lag rule, and the
+  proactive swap-out is not capped by B_xfer. Per step: the waiting requests that this step's token budget
+  and seats take, in arrival order (head-of-line: the first that cannot fit even with every rotatable
+  running request gone stops the scan), set how many device blocks must be freed; victims rotate out until
+  they are; then running requests are scheduled (reactive eviction by swap, as ``fcfs_swap``), the waiting
+  requests admitted, and rotary ones resumed only if nothing waits any more.
+  """
   name = "wf"
+  reactive_mode = "swap"
+  uses_running_needs = True
+
+  def waiting_key(self, r, sched):
+    return (r.arrival_time,)
+
+  def preempted_key(self, r, sched):
+    return self.waiting_key(r, sched)
 
   def rotary_key(self, r, sched):
     return (r.state_time,)
 
   def candidates(self, sched, now):
     return itertools.chain(sched.waiting.iter_requests(), sched.rotary.iter_requests())
+
+  def schedule_step(self, sched, plan, now):
+    if sched.waiting:
+      grow, run_tokens = sched.running_needs()
+      free = sched.bm.num_free_device_blocks - grow
+      if free < sched.demand_blocks:
+        plan.contention = True
+      if plan.contention or sched.seats_left() < len(sched.waiting):  # else every waiting request fits
+        victims = self.pick_victims(sched, free, sched.budget_left() - run_tokens)
+        if victims:
+          sched.rotate_out_many(victims)
+    evicted = sched.schedule_running(self.reactive_mode)
+    if evicted:
+      return
+    for r in sched.waiting.iter_requests():
+      if sched.budget_left() <= 0 or sched.seats_left() <= 0 or not sched.admit_waiting(r):
+        return
+    if sched.waiting:
+      return
+    for r in sched.rotary.iter_requests():
+      if sched.budget_left() <= 0 or sched.seats_left() <= 0:
+        return
+      sched.swap_in(r)
+
+  def pick_victims(self, sched, free: int, tokens: int) -> list[Request]:
+    """Running requests to rotate out so that the waiting requests this step can take fit ``free`` device
+    blocks: latest arrival first, rotatable ones only (decode phase, sampled since they last entered
+    RUNNING)."""
+    bs = sched.bm.block_size
+    seats = sched.seats_left()
+    pool = sorted((v for v in sched.running.values() if sched.rotatable(v)), key=lambda v: -v.arrival_time)
+    held = [(v.num_computed_tokens + bs - 1) // bs for v in pool]  # running: blocks cover the computed tokens
+    left = sum(held)
+    victims = []
+    i = 0
+    for r in sched.waiting.iter_requests():
+      if tokens <= 0 or r._touched_step == sched.step_id or r.inflight_samples:
+        break
+      c = r.num_computed_tokens
+      n = min(r.planned_tokens - c, tokens)
+      need = (c + n + bs - 1) // bs - (c + bs - 1) // bs
+      if need > free + left or (seats <= 0 and i == len(pool)):
+        break  # head-of-line: it cannot fit even with every rotatable running request gone
+      while need > free or seats <= 0:
+        victims.append(pool[i])
+        free += held[i]
+        left -= held[i]
+        seats += 1
+        i += 1
+      free -= need
+      seats -= 1
+      tokens -= n
+    return victims
 
 
 class RotaSched(RotationPolicy):

@@ -2,7 +2,7 @@
 
 Each field is declared once with ``configtree.knob`` and becomes a flag of ``scripts/simulate.py`` like every
 other setting; the engine's settings (pools, pipeline, transfer mode, layout, scheduler knobs) come from the
-one ``EngineConfig`` tree and the workload's from ``experiment.runner.SweepSpec``. ``--hardware`` is shared
+one ``EngineConfig`` tree and the workload's from ``sweep.SweepSpec``. ``--hardware`` is shared
 with ``SweepSpec.hardware`` (the results' hardware label): in the simulator the profile's name is the label.
 Frozen, validated at construction (``ValueError`` naming the field). No JAX.
 """
@@ -31,12 +31,16 @@ class SimConfig:
   trace: Optional[str] = knob(
       None, "replay a recorded trace CSV instead of --dataset: Azure LLM inference "
             "(TIMESTAMP,ContextTokens,GeneratedTokens) or Splitwise (arrived_at,num_prefill_tokens,"
-            "num_decode_tokens), told apart by the header; the first --num_requests requests within the "
+            "num_decode_tokens), told apart by the header, or a packaged trace's name ('splitwise': the "
+            "Splitwise conversation trace in workload/data/); the first --num_requests requests within the "
             "length filters", none_as="")
   trace_arrivals: str = knob(
       "recorded", "with --trace: 'recorded' replays the trace's own arrival times (--rps is ignored; the "
                   "rows' rps is the trace's mean rate); 'rescale' stretches them to each --rps value, "
                   "keeping the burstiness", choices=("recorded", "rescale"))
+  length_scale: float = knob(
+      1.0, "multiply every request's prompt and output length by this (rounded, clipped to the context): a "
+           "length-scaled variant of --dataset or --trace (1: as loaded); the rows' length_scale")
   fixed_step_s: float = knob(0.0, "every model step takes this many seconds instead of the roofline's time "
                                   "(0: the roofline; transfers are still modelled)")
 
@@ -47,6 +51,9 @@ class SimConfig:
       raise ValueError(f"SimConfig.model_profile must be None or a name / path, got {self.model_profile!r}")
     if self.trace is not None and (not isinstance(self.trace, str) or not self.trace):
       raise ValueError(f"SimConfig.trace must be None or a CSV path, got {self.trace!r}")
+    v = self.length_scale
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+      raise ValueError(f"SimConfig.length_scale must be a finite number > 0, got {v!r}")
     if self.trace_arrivals not in ("recorded", "rescale"):
       raise ValueError(f"SimConfig.trace_arrivals must be 'recorded' or 'rescale', got {self.trace_arrivals!r}")
     for name in ("swap_bandwidth_gbps", "fixed_step_s"):
@@ -62,7 +69,7 @@ class SimConfig:
     return configtree.build(cls, settings)
 
   def replace(self, **settings) -> "SimConfig":
-    """A copy with the given settings changed (also what ``experiment.runner.apply_variant`` calls)."""
+    """A copy with the given settings changed (also what ``sweep.apply_variant`` calls)."""
     return configtree.build(type(self), settings, base=self)
 
   def as_flat_dict(self) -> dict:

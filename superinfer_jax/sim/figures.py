@@ -1,19 +1,30 @@
-"""The paper's experiments as named simulator runs (``scripts/simulate.py --figure NAME``).
+"""The paper's experiments as named simulator runs (``scripts/simulate.py --figure NAME``), over seeds.
 
 A ``Figure`` is one or more ``Part``s; a part is a set of settings (flat names of ``SweepSpec``,
 ``EngineConfig`` and ``SimConfig`` fields, as their flags are named) on top of the paper's common setting
-(``COMMON``: GH200, Qwen2.5-32B, ShareGPT, 2,400 requests = the paper's 120 s at RPS 20, SLOs 5 s / 100
-ms, B_xfer 2400, DuplexKV with the pipeline). ``run_figure`` runs each part with ``sim.runner.
-run_sim_sweep`` (the same rows, timelines and per-directory plots as any ``simulate.py`` run), and draws the
-figure itself (``metrics.plots.plot_figure_panels``: a column per panel, a row per metric, one line per
-policy / variant). Settings the user gave on the command line (``explicit``) win over the figure's, so
+(``COMMON``: GH200, Qwen2.5-32B, 2,400 requests = the paper's 120 s at RPS 20, SLOs 5 s / 100 ms, B_xfer
+2400, DuplexKV with the pipeline) and of a workload (``WORKLOADS``: the ShareGPT stand-in as loaded, its
+length-scaled variant, or the Splitwise production trace). A part's RPS values are the paper's; a workload
+scales them by its ``rps_scale`` (the trace's own operating point). ``run_figure`` runs each part once per
+seed with ``sim.runner.run_sim_sweep`` (for ShareGPT a seed draws other requests and arrivals; for a trace
+it picks another window of it), and then:
+  * draws the figure (``metrics.plots.plot_figure_panels``: a column per panel, a row per metric, one line
+    per policy / variant: the mean over seeds, the min-max range shaded);
+  * summarises every point over the seeds (mean, min, max of each metric, and its contention: pool
+    occupancy and live KV demand P50 / P99, contended steps, rotations, preemptions), and marks the points
+    where nothing contended on some seed (``uncontended_seeds``);
+  * checks the figure's ``Claim``s (the paper's statement as a ratio of two points and a bound) on every
+    seed: a claim holds only if it holds on each one, at points that contended.
+Settings the user gave on the command line (``explicit``) win over the figure's and the workload's, so
 ``--figure=main --num_requests=24`` is a quick look at the same experiment.
 
-Layout of ``output_dir`` (fresh: an earlier one is moved aside, ``experiment.runner.fresh_output_dir``):
+Layout of ``output_dir`` (fresh: an earlier one is moved aside, ``sweep.fresh_output_dir``):
   figure-<name>.png            the figure
-  figure.json                  the figure's description, each part's settings as applied, row counts
-  results.jsonl, requests-*    the runs, for a one-part figure; else one such directory per part:
-  <part>/results.jsonl ...
+  figure.json                  the figure, workload, seeds, each part's settings as applied, the claims
+  summary.jsonl                one line per (part, series, x): mean / min / max over the seeds
+  report.txt                   the summary tables and the claims, as printed
+  [<part>/]seed-<k>/           each seed's run: results.jsonl, requests-*, plots (the part directory only
+                               for a figure of several parts)
 
 Settings the paper does not state are marked [G] in ``paper`` (docs/simulator.md "Figures"). No JAX.
 """
@@ -21,23 +32,49 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import os
 from typing import Any, Optional, Sequence
 
-from superinfer_jax.experiment.runner import SweepSpec, fresh_output_dir
 from superinfer_jax.metrics import plots as plots_lib
-from superinfer_jax.metrics.results import format_comparison_table
 from superinfer_jax.sim.config import SimConfig
+from superinfer_jax.sweep import SweepSpec, fresh_output_dir
 
-# The paper's evaluation setting (docs/paper.md §5 and the §2.2 defaults table).
-COMMON: dict[str, Any] = dict(hardware="gh200", model="qwen2.5-32b", dataset="sharegpt", num_requests=2400,
-                              ttft_slo=5.0, tbt_slo=0.1, proactive_swap_budget=2400, transfer_mode="duplex",
+# The paper's evaluation setting (docs/paper.md §5 and the §2.2 defaults table); the workload is WORKLOADS'.
+COMMON: dict[str, Any] = dict(hardware="gh200", model="qwen2.5-32b", num_requests=2400, ttft_slo=5.0,
+                              tbt_slo=0.1, proactive_swap_budget=2400, transfer_mode="duplex",
                               kv_layout="block_first", pipeline=True, arrival_process="poisson")
 QWEN_RPS = "5,10,13,15,18,20"       # paper §5 RPS sweeps (ShareGPT): Qwen2.5-32B and Mixtral
 LLAMA_RPS = "35,40,45,50,55,60"     # Llama-3-8B
-LATENCY = ("ttft_p99_s", "tbt_p99_s")
-ATTAINMENT = ("slo_attainment", "ttft_attainment", "tbt_attainment")
+PAPER_RPS = 20.0                    # the point Figs. 1, 2, 19-21 are read at
+LATENCY = ("ttft_p99_s", "tbt_p99_s", "tbt_worst_p99_s")
+ATTAINMENT = ("slo_attainment", "ttft_attainment", "tbt_attainment", "tbt_request_attainment")
 ROTATION = ("rotations_per_step", "blocks_in_per_step", "exposed_transfer_share")
+CONTENTION = ("pool_occupancy_p50", "pool_occupancy_p99", "kv_demand_p50", "kv_demand_p99", "kv_contended_steps",
+              "kv_contended_share", "num_rotations", "num_recompute_preemptions")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """A figure workload: settings over ``COMMON`` and the factor its RPS values are multiplied by."""
+  name: str
+  title: str
+  settings: dict[str, Any]
+  rps_scale: float = 1.0
+
+
+# The length scale makes live KV exceed the pool at RPS 20 (docs/simulator.md "Contention"); the trace's
+# point (rps_scale x 20) is the rate at which it contends without overloading the GPU's compute.
+SHAREGPT_LENGTH_SCALE = 1.5
+SPLITWISE_RPS = 6.0
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (
+    Workload("sharegpt", "ShareGPT stand-in as loaded", dict(dataset="sharegpt")),
+    Workload("sharegpt_long", f"ShareGPT stand-in, lengths x{SHAREGPT_LENGTH_SCALE:g}",
+             dict(dataset="sharegpt", length_scale=SHAREGPT_LENGTH_SCALE)),
+    Workload("splitwise", f"Splitwise conversation trace, time-scaled to {SPLITWISE_RPS:g} rps at the paper's 20",
+             dict(trace="splitwise", trace_arrivals="rescale"), rps_scale=SPLITWISE_RPS / PAPER_RPS),
+)}
+DEFAULT_WORKLOAD = "sharegpt_long"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,50 +87,108 @@ class Part:
   x_key: str = "rps"
 
 
+_OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+  """The paper's statement ``text`` as ``metric(num) / metric(den) <op> bound``, checked per seed; ``num``
+  and ``den`` select one row of ``part`` each by field values (``base_policy``, a swept setting, ``rps``
+  in the paper's units, which the workload scales)."""
+  text: str
+  part: str
+  metric: str
+  num: dict[str, Any]
+  den: dict[str, Any]
+  op: str
+  bound: float
+
+
 @dataclasses.dataclass(frozen=True)
 class Figure:
-  """A paper experiment: its parts, what it reproduces (``paper``), the metrics drawn; ``merge`` draws all
-  parts in one panel (they share an x axis), else a panel per part."""
+  """A paper experiment: its parts, what it reproduces (``paper``), the metrics drawn, its claims; ``merge``
+  draws all parts in one panel (they share an x axis), else a panel per part; ``contended``: a figure
+  meant to show contention (its uncontended points are flagged in the report)."""
   name: str
   paper: str
   parts: tuple[Part, ...]
   metrics: tuple[str, ...]
   merge: bool = False
   log_x: tuple[str, ...] = ()
+  claims: tuple[Claim, ...] = ()
+  contended: bool = True
 
 
+def _at(policy: str, **fields) -> dict[str, Any]:
+  return {"base_policy": policy, **fields}
+
+
+_PT = dict(rps=PAPER_RPS)
 FIGURES: dict[str, Figure] = {f.name: f for f in (
     Figure("motivation", "Fig. 1 (paper.md §5 row 14): FCFS / Waiting-First / Swapped-First P99 TTFT and TBT vs "
-           "RPS, Qwen2.5-32B, ShareGPT; the paper reads it at RPS 20 (WF ~10x better P99 TTFT, ~100x worse "
-           "P99 TBT; SF ~ FCFS)",
-           (Part("policies", "FCFS / WF / SF", dict(policies="fcfs,wf,sf", rps=QWEN_RPS)),),
-           metrics=LATENCY + ("slo_attainment",)),
-    Figure("bandwidth", "Fig. 2 (row 15): P99 latency vs swap bandwidth at RPS 20 (50 -> 150 GB/s roughly halves "
-           "P99 TTFT); the paper's swapping scheduler there is not named: WF and rotasched here [G]",
-           (Part("bandwidth", "swap bandwidth", dict(policies="wf,rotasched", rps="20",
-                                                     vary="swap_bandwidth_gbps:25,50,100,150,200"),
+           "RPS, Qwen2.5-32B; the paper reads it at RPS 20 (WF ~10x better P99 TTFT, ~100x worse P99 TBT; "
+           "SF ~ FCFS)",
+           (Part("policies", "FCFS / WF / SF", dict(policies="fcfs,wf,sf", rps="10,15,20")),),
+           metrics=LATENCY + ("slo_attainment", "kv_demand_p50"),
+           claims=(Claim("WF P99 TTFT <= 1/3 of FCFS's", "policies", "ttft_p99_s", _at("wf", **_PT),
+                         _at("fcfs", **_PT), "<=", 1 / 3),
+                   Claim("WF P99 TBT (pooled gaps, the paper's) >= 10x FCFS's", "policies", "tbt_p99_s",
+                         _at("wf", **_PT), _at("fcfs", **_PT), ">=", 10.0),
+                   Claim("WF P99 worst TBT per request >= 10x FCFS's", "policies", "tbt_worst_p99_s",
+                         _at("wf", **_PT), _at("fcfs", **_PT), ">=", 10.0))),
+    Figure("bandwidth", "Fig. 2 (row 15): vLLM with offloading (fcfs_swap: reactive swap preemption; sf: vLLM "
+           "v0's swapped-first) at RPS 20, swap bandwidth 50 -> 150 GB/s roughly halves P99 TTFT",
+           (Part("bandwidth", "swap bandwidth", dict(policies="fcfs_swap,sf", rps="20",
+                                                     vary="swap_bandwidth_gbps:50,100,150"),
                  x_key="swap_bandwidth_gbps"),),
-           metrics=LATENCY + ATTAINMENT + ROTATION),
-    Figure("main", "Fig. 16 (rows 1-2): SLO / TTFT / TBT attainment vs RPS per model at the paper's RPS sweeps "
-           "(ShareGPT), vLLM's FCFS vs RotaSched + DuplexKV",
+           metrics=LATENCY + ATTAINMENT + ROTATION,
+           claims=(Claim("fcfs_swap P99 TTFT at 150 GB/s <= 0.7x at 50", "bandwidth", "ttft_p99_s",
+                         _at("fcfs_swap", swap_bandwidth_gbps=150), _at("fcfs_swap", swap_bandwidth_gbps=50),
+                         "<=", 0.7),)),
+    Figure("main", "Fig. 16 (rows 1-2): SLO / TTFT / TBT attainment vs RPS per model at the paper's RPS sweeps, "
+           "vLLM's FCFS vs RotaSched + DuplexKV",
            (Part("llama-3-8b", "Llama-3-8B", dict(model="llama-3-8b", policies="fcfs,rotasched", rps=LLAMA_RPS)),
             Part("qwen2.5-32b", "Qwen2.5-32B", dict(model="qwen2.5-32b", policies="fcfs,rotasched", rps=QWEN_RPS)),
             Part("mixtral-8x7b", "Mixtral-8x7B", dict(model="mixtral-8x7b", policies="fcfs,rotasched",
                                                       rps=QWEN_RPS))),
-           metrics=ATTAINMENT + ("output_throughput_tok_s",) + LATENCY),
+           metrics=ATTAINMENT + ("output_throughput_tok_s",) + LATENCY, contended=False),
     Figure("budget", "Fig. 21 (row 16): B_xfer 300 -> 4800 at RPS 20 (P99 TTFT ~10x lower, P99 TBT lower too)",
-           (Part("budget", "B_xfer sweep", dict(policies="rotasched", rps="20",
+           (Part("budget", "B_xfer sweep", dict(policies="rotasched,rotasched_strict", rps="20",
                                                 vary="proactive_swap_budget:300,600,1200,2400,4800"),
                  x_key="proactive_swap_budget"),),
-           metrics=LATENCY + ATTAINMENT + ROTATION, log_x=("proactive_swap_budget",)),
+           metrics=LATENCY + ATTAINMENT + ROTATION, log_x=("proactive_swap_budget",),
+           claims=tuple(c for p in ("rotasched", "rotasched_strict") for c in (
+               Claim(f"{p}: P99 TTFT at B_xfer 4800 < at 300", "budget", "ttft_p99_s",
+                     _at(p, proactive_swap_budget=4800), _at(p, proactive_swap_budget=300), "<", 1.0),
+               Claim(f"{p}: P99 TBT at B_xfer 4800 < at 300", "budget", "tbt_p99_s",
+                     _at(p, proactive_swap_budget=4800), _at(p, proactive_swap_budget=300), "<", 1.0)))),
     Figure("alpha_beta", "Figs. 19-20 (paper.md §1.2): alpha, beta_F, beta_B one at a time around the defaults "
-           "(3, 0.5, 0) at RPS 20; the swept values are [G]",
-           (Part("alpha", "alpha", dict(policies="rotasched", rps="20", vary="alpha:0.5,1,2,3,5"), x_key="alpha"),
-            Part("beta_f", "beta_F", dict(policies="rotasched", rps="20", vary="beta_f:0,0.25,0.5,1,2"),
+           "(3, 0.5, 0) at RPS 20, Algorithm 1 as written (rotasched) and with urgency past the VLT zero point "
+           "(rotasched_strict); the swept values are [G]",
+           (Part("alpha", "alpha", dict(policies="rotasched,rotasched_strict", rps="20", vary="alpha:1,3,5"),
+                 x_key="alpha"),
+            Part("beta_f", "beta_F", dict(policies="rotasched,rotasched_strict", rps="20", vary="beta_f:0,0.5,2"),
                  x_key="beta_f"),
-            Part("beta_b", "beta_B", dict(policies="rotasched", rps="20", vary="beta_b:-10,-5,-1,0,1"),
+            Part("beta_b", "beta_B", dict(policies="rotasched,rotasched_strict", rps="20", vary="beta_b:-10,0,1"),
                  x_key="beta_b")),
-           metrics=LATENCY + ATTAINMENT),
+           metrics=LATENCY + ATTAINMENT,
+           claims=tuple(c for p in ("rotasched", "rotasched_strict") for c in (
+               Claim(f"{p}: raising beta_F 0 -> 2 hurts P99 TTFT", "beta_f", "ttft_p99_s", _at(p, beta_f=2),
+                     _at(p, beta_f=0), ">", 1.0),
+               Claim(f"{p}: raising beta_B -10 -> 1 hurts P99 worst TBT per request", "beta_b", "tbt_worst_p99_s",
+                     _at(p, beta_b=1), _at(p, beta_b=-10), ">", 1.0),
+               Claim(f"{p}: raising alpha 1 -> 5 hurts P99 TTFT", "alpha", "ttft_p99_s", _at(p, alpha=5),
+                     _at(p, alpha=1), ">", 1.0),
+               Claim(f"{p}: raising alpha 1 -> 5 improves P99 worst TBT per request", "alpha", "tbt_worst_p99_s",
+                     _at(p, alpha=5), _at(p, alpha=1), "<", 1.0)))),
+    Figure("headline", "The SLO-attainment headline (paper.md §5 rows 1-2) at the paper's RPS 20: vLLM (fcfs), "
+           "vLLM with offloading (fcfs_swap, sf), Waiting-First and RotaSched (as written and strict)",
+           (Part("policies", "policies", dict(policies="fcfs,fcfs_swap,sf,wf,rotasched,rotasched_strict",
+                                               rps="20")),),
+           metrics=ATTAINMENT + LATENCY,
+           claims=tuple(Claim(f"rotasched SLO attainment >= {b}'s", "policies", "slo_attainment",
+                              _at("rotasched", **_PT), _at(b, **_PT), ">=", 1.0)
+                        for b in ("fcfs", "fcfs_swap", "sf", "wf"))),
     Figure("ablation", "Fig. 17 (row 17): RotaSched without DuplexKV (naive per-segment copies) at B_xfer 300 "
            "(L) and 2400 (H), the full system (duplex, 2400), and FCFS; RPS 10-20 [G]",
            (Part("fcfs", "FCFS", dict(policies="fcfs", rps="10,15,20")),
@@ -106,7 +201,7 @@ FIGURES: dict[str, Figure] = {f.name: f for f in (
                                                     rps="10,15,20,25,30", vary="tensor_parallel_size:1,2")),
             Part("mixtral-8x7b", "Mixtral-8x7B", dict(model="mixtral-8x7b", policies="fcfs,rotasched",
                                                       rps="10,15,20,25,30", vary="tensor_parallel_size:1,2"))),
-           metrics=ATTAINMENT + LATENCY),
+           metrics=ATTAINMENT + LATENCY, contended=False),
 )}
 
 
@@ -114,12 +209,18 @@ FIGURES: dict[str, Figure] = {f.name: f for f in (
 class FigureResult:
   output_dir: str
   plot: str
-  rows: dict[str, list[dict[str, Any]]]     # part name -> its rows
-  report: str                               # the comparison tables, per part
+  rows: dict[str, list[dict[str, Any]]]     # part name -> its rows, every seed's
+  summary: list[dict[str, Any]]             # one entry per (part, series, x): see ``summarize_points``
+  claims: list[dict[str, Any]]              # one entry per claim: see ``check_claims``
+  report: str                               # the summary tables and the claims
 
 
 def figure_names() -> list[str]:
   return list(FIGURES)
+
+
+def workload_names() -> list[str]:
+  return list(WORKLOADS)
 
 
 def get_figure(name: str) -> Figure:
@@ -128,11 +229,27 @@ def get_figure(name: str) -> Figure:
   return FIGURES[name]
 
 
+def get_workload(name: str) -> Workload:
+  if name not in WORKLOADS:
+    raise ValueError(f"unknown figure workload {name!r}; known: {', '.join(WORKLOADS)}")
+  return WORKLOADS[name]
+
+
+def _scale_rps(text: str, factor: float) -> str:
+  return text if factor == 1.0 else ",".join(f"{float(v) * factor:g}" for v in text.split(","))
+
+
 def part_configs(part: Part, spec: SweepSpec, engine_config, sim_config: SimConfig, *,
-                 explicit: Sequence[str] = ()) -> tuple[SweepSpec, Any, SimConfig, dict[str, Any]]:
-  """(spec, engine config, sim config, settings applied) of ``part``: ``COMMON`` then the part's settings,
+                 explicit: Sequence[str] = (), workload: Optional[str] = None
+                 ) -> tuple[SweepSpec, Any, SimConfig, dict[str, Any]]:
+  """(spec, engine config, sim config, settings applied) of ``part``: ``COMMON``, the workload's settings
+  (``None``: ``DEFAULT_WORKLOAD``), then the part's (its RPS values times the workload's ``rps_scale``),
   each unless ``explicit`` (names the user set) holds it. ``ValueError`` for a setting no config has."""
-  settings = {k: v for k, v in {**COMMON, **part.settings}.items() if k not in set(explicit)}
+  w = get_workload(workload or DEFAULT_WORKLOAD)
+  settings = {**COMMON, **w.settings, **part.settings}
+  if "rps" in part.settings:
+    settings["rps"] = _scale_rps(part.settings["rps"], w.rps_scale)
+  settings = {k: v for k, v in settings.items() if k not in set(explicit)}
   spec_names = {f.name for f in dataclasses.fields(SweepSpec)}
   sim_names = {f.name for f in dataclasses.fields(SimConfig)}
   spec_s = {k: v for k, v in settings.items() if k in spec_names}
@@ -146,33 +263,159 @@ def part_configs(part: Part, spec: SweepSpec, engine_config, sim_config: SimConf
           settings)
 
 
+def _matches(row: dict[str, Any], sel: dict[str, Any]) -> bool:
+  for k, v in sel.items():
+    got = row.get(k)
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+      try:
+        if abs(float(got) - float(v)) > 1e-9 * max(1.0, abs(float(v))):
+          return False
+      except (TypeError, ValueError):
+        return False
+    elif got != v:
+      return False
+  return True
+
+
+def summarize_points(part: str, x_key: str, rows: Sequence[dict[str, Any]], metrics: Sequence[str]
+                     ) -> list[dict[str, Any]]:
+  """Per (series, x) of one part's rows (every seed's): ``{part, series, x, seeds, uncontended_seeds,
+  <metric>: {mean, min, max}}`` for ``metrics`` and ``CONTENTION`` (a seed's point is uncontended when its
+  live KV demand never exceeded the pool: ``kv_contended_steps == 0``)."""
+  groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
+  for r in rows:
+    groups.setdefault((plots_lib.series_label(r, x_key), r.get(x_key)), []).append(r)
+  out = []
+  for (series, x), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], float(kv[0][1] or 0))):
+    entry: dict[str, Any] = {"part": part, "series": series, "x_key": x_key, "x": x,
+                             "seeds": sorted(r.get("seed") for r in rs),
+                             "uncontended_seeds": sorted(r.get("seed") for r in rs if not r.get("kv_contended_steps"))}
+    for m in dict.fromkeys(tuple(metrics) + CONTENTION):
+      vals = [float(r[m]) for r in rs if r.get(m) is not None]
+      entry[m] = {"mean": sum(vals) / len(vals), "min": min(vals), "max": max(vals)} if vals else None
+    out.append(entry)
+  return out
+
+
+def check_claims(fig: Figure, rows: dict[str, list[dict[str, Any]]], rps_scale: float = 1.0
+                 ) -> list[dict[str, Any]]:
+  """Each of ``fig.claims`` on every seed: ``{text, metric, op, bound, ratios: {seed: ratio}, holds_on,
+  seeds, uncontended_seeds, holds}``. ``holds`` only if the claim holds on every seed and both points
+  contended on each (a missing point or a zero denominator is a failure)."""
+  out = []
+  for c in fig.claims:
+    part_rows = rows.get(c.part, [])
+    num = {k: v * rps_scale if k == "rps" else v for k, v in c.num.items()}
+    den = {k: v * rps_scale if k == "rps" else v for k, v in c.den.items()}
+    seeds = sorted({r.get("seed") for r in part_rows})
+    ratios: dict[Any, Optional[float]] = {}
+    uncontended = []
+    for s in seeds:
+      a = [r for r in part_rows if r.get("seed") == s and _matches(r, num)]
+      b = [r for r in part_rows if r.get("seed") == s and _matches(r, den)]
+      if len(a) != 1 or len(b) != 1 or a[0].get(c.metric) is None or not b[0].get(c.metric):
+        ratios[s] = None
+        continue
+      ratios[s] = float(a[0][c.metric]) / float(b[0][c.metric])
+      if not (a[0].get("kv_contended_steps") and b[0].get("kv_contended_steps")):
+        uncontended.append(s)
+    holds_on = [s for s, q in ratios.items() if q is not None and _OPS[c.op](q, c.bound)]
+    out.append({"text": c.text, "part": c.part, "metric": c.metric, "op": c.op, "bound": c.bound,
+                "ratios": ratios, "seeds": seeds, "holds_on": holds_on, "uncontended_seeds": uncontended,
+                "holds": bool(seeds) and len(holds_on) == len(seeds) and not uncontended})
+  return out
+
+
+def _fmt(v: Optional[dict[str, float]], scale: float = 1.0, digits: int = 3) -> str:
+  if v is None:
+    return "-"
+  return f"{scale * v['mean']:.{digits}g} [{scale * v['min']:.{digits}g}, {scale * v['max']:.{digits}g}]"
+
+
+_TABLE_METRICS = (("slo_attainment", "SLO%", 100.0), ("ttft_p99_s", "TTFT p99 s", 1.0),
+                  ("tbt_p99_s", "TBT p99 s", 1.0), ("tbt_worst_p99_s", "worst TBT p99 s", 1.0),
+                  ("tbt_request_attainment", "TBT req%", 100.0), ("kv_demand_p50", "KV/pool p50", 1.0),
+                  ("kv_demand_p99", "KV/pool p99", 1.0), ("pool_occupancy_p99", "occ p99", 1.0),
+                  ("kv_contended_share", "contended", 1.0), ("num_rotations", "rotations", 1.0),
+                  ("num_recompute_preemptions", "preemptions", 1.0))
+
+
+def format_summary(summary: Sequence[dict[str, Any]]) -> str:
+  """A text table of ``summarize_points`` entries: mean [min, max] over the seeds; "!" marks a point
+  where nothing contended on some seed."""
+  head = ["series", "x", "n"] + [h for _, h, _ in _TABLE_METRICS]
+  cells = [head]
+  for e in summary:
+    mark = "!" if e["uncontended_seeds"] else ""
+    cells.append([e["series"] + mark, f"{e['x']:g}" if isinstance(e["x"], (int, float)) else str(e["x"]),
+                  str(len(e["seeds"]))] + [_fmt(e.get(m), s) for m, _, s in _TABLE_METRICS])
+  widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
+  lines = ["  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip() for c in cells]
+  lines.insert(1, "  ".join("-" * w for w in widths))
+  if any(e["uncontended_seeds"] for e in summary):
+    lines.append("! = on some seed nothing contended at this point (live KV never exceeded the pool)")
+  return "\n".join(lines)
+
+
+def format_claims(claims: Sequence[dict[str, Any]]) -> str:
+  lines = []
+  for c in claims:
+    rs = [q for q in c["ratios"].values() if q is not None]
+    spread = f"ratio mean {sum(rs) / len(rs):.3g} [{min(rs):.3g}, {max(rs):.3g}]" if rs else "no ratio"
+    verdict = "HOLDS" if c["holds"] else "does not hold"
+    extra = f"; uncontended on seeds {c['uncontended_seeds']}" if c["uncontended_seeds"] else ""
+    lines.append(f"[{verdict}] {c['text']} ({c['metric']} {c['op']} {c['bound']:.3g}): on "
+                 f"{len(c['holds_on'])}/{len(c['seeds'])} seeds, {spread}{extra}")
+  return "\n".join(lines)
+
+
 def run_figure(name: str, spec: SweepSpec, engine_config, sim_config: SimConfig, *,
                explicit: Sequence[str] = (), output_dir: Optional[str] = None, timelines: bool = False,
+               seeds: Optional[Sequence[int]] = None, workload: Optional[str] = None,
                log=print) -> FigureResult:
-  """Runs figure ``name`` into ``output_dir`` (default ``runs/figure-<name>``; fresh) and draws it.
+  """Runs figure ``name`` on ``workload`` (``None``: ``DEFAULT_WORKLOAD``) once per seed of ``seeds``
+  (``None``: ``spec.seed`` alone) into ``output_dir`` (default ``runs/figure-<name>-<workload>``; fresh),
+  draws it, summarises each point over the seeds and checks the figure's claims (module docstring).
 
   ``spec`` / ``engine_config`` / ``sim_config`` are the command line's; ``explicit`` the names set there
-  (they override the figure's settings). ``timelines`` also draws each run's per-request timeline (seconds
-  per run). Returns the rows by part, the figure's path and the per-part comparison tables."""
+  (they override the figure's and the workload's settings; ``seed`` is always the loop's). ``timelines``
+  also draws each run's per-request timeline (seconds per run)."""
   from superinfer_jax.sim.runner import run_sim_sweep   # pylint: disable=import-outside-toplevel
   fig = get_figure(name)
-  out = output_dir or os.path.join("runs", f"figure-{name}")
-  configs = [(p, part_configs(p, spec, engine_config, sim_config, explicit=explicit)) for p in fig.parts]
+  wl = get_workload(workload or DEFAULT_WORKLOAD)
+  seeds = list(seeds) if seeds is not None else [spec.seed]
+  if not seeds:
+    raise ValueError("run_figure: no seeds")
+  out = output_dir or os.path.join("runs", f"figure-{name}-{wl.name}")
+  configs = [(p, part_configs(p, spec, engine_config, sim_config, explicit=explicit, workload=wl.name))
+             for p in fig.parts]
   fresh_output_dir(out)
   rows: dict[str, list[dict[str, Any]]] = {}
-  tables = []
+  summary: list[dict[str, Any]] = []
   described = []
+  tables = []
   for part, (p_spec, p_eng, p_sim, settings) in configs:
     part_dir = out if len(fig.parts) == 1 else os.path.join(out, part.name)
-    p_spec = dataclasses.replace(p_spec, output_dir=part_dir)
-    log(f"[figure {name}] part {part.name}: {', '.join(f'{k}={v}' for k, v in part.settings.items())} -> "
-        f"{part_dir}")
-    part_rows = run_sim_sweep(p_spec, p_eng, p_sim, log=log, row_tags={"figure": name, "figure_part": part.name})
-    plots_lib.plot_results_dir(part_dir, timelines=timelines)
+    log(f"[figure {name} / {wl.name}] part {part.name}: "
+        f"{', '.join(f'{k}={v}' for k, v in part.settings.items())}, seeds {seeds} -> {part_dir}")
+    part_rows = []
+    for s in seeds:
+      s_spec = dataclasses.replace(p_spec, seed=s, output_dir=os.path.join(part_dir, f"seed-{s}"))
+      got = run_sim_sweep(s_spec, p_eng, p_sim, log=log,
+                          row_tags={"figure": name, "figure_part": part.name, "figure_workload": wl.name})
+      plots_lib.plot_results_dir(s_spec.output_dir, timelines=timelines)
+      part_rows += got
     rows[part.name] = part_rows
-    tables.append(f"== {name} / {part.name} ({part.title}) ==\n{format_comparison_table(part_rows)}")
+    part_summary = summarize_points(part.name, part.x_key, part_rows, fig.metrics)
+    summary += part_summary
+    tables.append(f"== {name} / {part.name} ({part.title}) on {wl.name}: mean [min, max] over seeds {seeds} ==\n"
+                  f"{format_summary(part_summary)}")
     described.append({"name": part.name, "title": part.title, "dir": os.path.relpath(part_dir, out),
                       "x_key": part.x_key, "settings": settings, "num_rows": len(part_rows)})
+  claims = check_claims(fig, rows, wl.rps_scale)
+  if fig.contended and summary and all(e["uncontended_seeds"] == e["seeds"] for e in summary):
+    tables.append(f"WARNING: figure {name} is meant to show contention, but on {wl.name} nothing contended at "
+                  "any point on any seed: its comparisons say nothing about scheduling under memory pressure")
   if fig.merge:
     panels = [(fig.paper.split(":")[0], fig.parts[0].x_key, [r for p in fig.parts for r in rows[p.name]])]
   else:
@@ -180,13 +423,21 @@ def run_figure(name: str, spec: SweepSpec, engine_config, sim_config: SimConfig,
   hw = sorted({r["hardware"] for rs in rows.values() for r in rs})
   plot = plots_lib.plot_figure_panels(
       panels, os.path.join(out, f"figure-{name}.png"), metrics=fig.metrics, log_x=fig.log_x,
-      title=f"{name} ({', '.join(hw)}): {fig.paper.split(':')[0]}")
+      title=f"{name} ({', '.join(hw)}, {wl.title}, {len(seeds)} seeds): {fig.paper.split(':')[0]}")
+  report = "\n\n".join(tables + ([f"claims over seeds {seeds}:\n{format_claims(claims)}"] if claims else [])
+                       + [f"figure: {plot}"])
   with open(os.path.join(out, "figure.json"), "w") as f:
-    json.dump({"figure": name, "paper": fig.paper, "explicit": sorted(explicit), "parts": described,
-               "plot": os.path.basename(plot)}, f, indent=2, default=str)
-  report = "\n\n".join(tables + [f"figure: {plot}"])
-  return FigureResult(output_dir=out, plot=plot, rows=rows, report=report)
+    json.dump({"figure": name, "paper": fig.paper, "workload": dataclasses.asdict(wl), "seeds": seeds,
+               "explicit": sorted(explicit), "parts": described, "claims": claims, "plot": os.path.basename(plot)},
+              f, indent=2, default=str)
+  with open(os.path.join(out, "summary.jsonl"), "w") as f:
+    for e in summary:
+      f.write(json.dumps(e, default=str) + "\n")
+  with open(os.path.join(out, "report.txt"), "w") as f:
+    f.write(report + "\n")
+  return FigureResult(output_dir=out, plot=plot, rows=rows, summary=summary, claims=claims, report=report)
 
 
-__all__ = ["COMMON", "FIGURES", "Figure", "FigureResult", "Part", "figure_names", "get_figure", "part_configs",
-           "run_figure"]
+__all__ = ["COMMON", "CONTENTION", "Claim", "DEFAULT_WORKLOAD", "FIGURES", "Figure", "FigureResult", "Part",
+           "WORKLOADS", "Workload", "check_claims", "figure_names", "format_claims", "format_summary", "get_figure",
+           "get_workload", "part_configs", "run_figure", "summarize_points", "workload_names"]

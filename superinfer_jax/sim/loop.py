@@ -94,6 +94,10 @@ class SimResult:
   rejected: list[tuple[str, str]]   # (request id, error) refused by add_request
   wall_s: float                     # real seconds the simulation took
   timed_out: bool = False
+  # Per plan, as fractions of the device pool, read right after ``schedule()``: ``occupancy`` = blocks
+  # resident; ``kv_demand`` = blocks resident plus the blocks every queued (waiting / rotary) request needs.
+  occupancy: list[float] = dataclasses.field(default_factory=list)
+  kv_demand: list[float] = dataclasses.field(default_factory=list)
 
 
 class Simulator:
@@ -127,9 +131,14 @@ class Simulator:
     rejected: list[tuple[str, str]] = []
     bar = progress_bar(n_pending, desc, progress)
     c = dict(plans=0, model_steps=0, rotations_out=0, rotations_in=0, blocks_out=0, blocks_writeback=0,
-             blocks_in=0, recompute_preemptions=0, round_trips=0, contended_steps=0, dropped_seqs=0,
+             blocks_in=0, recompute_preemptions=0, round_trips=0, contended_steps=0, kv_contended_steps=0,
+             dropped_seqs=0,
              transfer_s=0.0, exposed_transfer_s=0.0, residency_steps=0, empty_plans=0)
     step_times: list[float] = []
+    occupancy: list[float] = []
+    kv_demand: list[float] = []
+    bm = getattr(sched, "bm", None)
+    pool = bm.num_device_blocks if bm is not None else 0
     state = dict(nxt=0, link_free=t0, last_token=t0, idle=0)
 
     def arrivals(now: float) -> None:
@@ -176,6 +185,12 @@ class Simulator:
       c["round_trips"] += len(plan.round_trips)
       if plan.contention:
         c["contended_steps"] += 1
+      if pool:
+        used = pool - bm.num_free_device_blocks
+        occupancy.append(used / pool)
+        kv_demand.append((used + sched.demand_blocks) / pool)
+        if used + sched.demand_blocks > pool:
+          c["kv_contended_steps"] += 1
       n_out = len(plan.swap_out) + len(plan.writeback)
       n_in = len(plan.swap_in)
       if not (n_out or n_in):
@@ -286,7 +301,7 @@ class Simulator:
     duration = (clock.now() - t0) if timed_out else (state["last_token"] - t0)
     return SimResult(timelines=rec.timelines(), duration_s=max(duration, 1e-9), counters=c,
                      step_times_s=step_times, rejected=rejected, wall_s=time.perf_counter() - wall0,
-                     timed_out=timed_out)
+                     timed_out=timed_out, occupancy=occupancy, kv_demand=kv_demand)
 
 
 def derived_counters(counters: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ Differences from the real sweep, on purpose:
     ``--model``, else from SmolLM2's (the only tokenizer packaged offline): a stand-in for the GPU models'
     own tokenizers, whose counts differ by some tens of percent.
   * ``--time_limit_s`` is virtual time.
-No JAX (``experiment.runner`` imports none at module level).
+Host-side only: no JAX, and nothing of the real-run harness (``experiment``); the sweep spec is ``superinfer_jax.sweep``.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ import math
 import os
 from typing import Any, Optional
 
-from superinfer_jax.experiment.runner import (SweepSpec, fresh_output_dir, apply_variant,  # noqa: F401
-                                              finish_report, variant_label)
+from superinfer_jax.sweep import (SweepSpec, fresh_output_dir, apply_variant,  # noqa: F401
+                                  finish_report, variant_label)
 from superinfer_jax.metrics.results import RESULTS_SCHEMA, append_results_row, results_row
 from superinfer_jax.metrics.timeline import requests_filename, write_timelines
 from superinfer_jax.model.config import load_config
@@ -96,12 +96,15 @@ def validate_variants(spec: SweepSpec, engine_config, sim_config: SimConfig) -> 
 
 
 def read_sim_trace(spec: SweepSpec, sim_config: SimConfig, max_total_len: Optional[int] = None):
-  """(``Workload``, ``TraceInfo``) of ``--trace`` under the sweep's length filters and ``--num_requests``
-  (lengths only: no token ids). ``workload.TraceError`` (a ``ValueError``) for a bad file."""
+  """(``Workload``, ``TraceInfo``) of ``--trace`` under the sweep's length filters: window ``--seed`` of
+  ``--num_requests`` requests (seed k starts at request k x num_requests, so seeds are disjoint windows of
+  the trace; lengths only, no token ids). ``workload.TraceError`` (a ``ValueError``) for a bad file or a
+  window past the trace's end."""
   from superinfer_jax.workload.traces import read_trace  # pylint: disable=import-outside-toplevel
   return read_trace(sim_config.trace, num_requests=spec.num_requests, max_prompt_len=spec.max_prompt_len,
                     max_output_len=spec.max_output_len, min_output_len=spec.min_output_len,
-                    max_total_len=max_total_len, token_ids=False, seed=spec.seed)
+                    max_total_len=max_total_len, token_ids=False, seed=spec.seed,
+                    start=spec.seed * spec.num_requests)
 
 
 class CountingTokenizer:
@@ -162,9 +165,12 @@ def run_sim_sweep(spec: SweepSpec, engine_config, sim_config: SimConfig, *, log=
                 mcfg.max_position_embeddings,
                 base.engine_config.num_device_blocks * base.engine_config.block_size)
   rps_values = spec.rps_values
+  scale = sim_config.length_scale
+  time_scale: dict[float, float] = {}   # rps -> factor the trace's arrival times were multiplied by
   if sim_config.trace:
-    from superinfer_jax.workload.traces import rescale_to_rps  # pylint: disable=import-outside-toplevel
+    from superinfer_jax.workload.traces import rescale_factor, rescale_to_rps  # pylint: disable=import-outside-toplevel
     trace_w, info = read_sim_trace(spec, sim_config, max_total_len=max_len)
+    trace_w = trace_w.scale_lengths(scale, max_len)
     log(f"[sim] trace {info.path} ({info.format}): {info.kept} requests of {info.rows} rows "
         f"({info.skipped_zero} with 0 tokens, {info.filtered} outside the length filters), "
         f"{info.duration_s:.1f} s recorded, mean {info.mean_rps:.3g} rps")
@@ -177,12 +183,16 @@ def run_sim_sweep(spec: SweepSpec, engine_config, sim_config: SimConfig, *, log=
         return trace_w
     else:
       def workload_at(rps: float):
+        time_scale[rps] = rescale_factor(trace_w, rps)
         return rescale_to_rps(trace_w, rps)
   else:
     tokenizer = _tokenizer(spec, log)
 
     def workload_at(rps: float):
-      return spec.make_workload(tokenizer, rps, max_total_len=max_len, vocab_size=mcfg.vocab_size)
+      w = spec.make_workload(tokenizer, rps, max_total_len=max_len, vocab_size=mcfg.vocab_size)
+      return w.scale_lengths(scale, max_len)
+  if scale != 1.0:
+    log(f"[sim] every prompt and output length is scaled by {scale:g} (--length_scale)")
 
   fresh_output_dir(spec.output_dir)
   results_path = os.path.join(spec.output_dir, "results.jsonl")
@@ -205,6 +215,8 @@ def run_sim_sweep(spec: SweepSpec, engine_config, sim_config: SimConfig, *, log=
         res = simulate(requests, setup.engine_config, setup.cost, progress=spec.progress,
                        desc=f"{label} @ {rps:.3g} rps", time_limit_s=spec.time_limit_s)
         row = _row(spec, setup, res, label, policy, variant, rps, run_index)
+        if rps in time_scale:
+          row["trace_time_scale"] = time_scale[rps]
         row.update(row_tags or {})
         append_results_row(results_path, row)
         write_timelines(os.path.join(spec.output_dir, requests_filename(label, rps)), res.timelines)
@@ -229,7 +241,9 @@ def _row(spec: SweepSpec, setup: RunSetup, res, label: str, policy: str, variant
       "rotations_in": c["rotations_in"], "blocks_out": c["blocks_out"],
       "blocks_writeback": c["blocks_writeback"], "blocks_in": c["blocks_in"], "steps": c["plans"],
       "model_steps": c["model_steps"], "round_trips": c["round_trips"],
-      "contended_steps": c["contended_steps"], "dropped_seqs": c["dropped_seqs"],
+      "contended_steps": c["contended_steps"], "kv_contended_steps": c["kv_contended_steps"],
+      "kv_contended_share": c["kv_contended_steps"] / max(c["plans"], 1),
+      **contention_summary(res.occupancy, res.kv_demand), "dropped_seqs": c["dropped_seqs"],
       "transfer_s": c["transfer_s"], "exposed_transfer_s": c["exposed_transfer_s"],
       "exposed_transfer_share": c["exposed_transfer_s"] / res.duration_s,
       "exposed_transfer_per_step_s": c["exposed_transfer_s"] / max(c["model_steps"], 1),
@@ -248,6 +262,7 @@ def _row(spec: SweepSpec, setup: RunSetup, res, label: str, policy: str, variant
       "fixed_step_s": setup.sim_config.fixed_step_s or None,
       "dataset": setup.sim_config.trace or spec.dataset,
       "trace_arrivals": setup.sim_config.trace_arrivals if setup.sim_config.trace else None,
+      "length_scale": setup.sim_config.length_scale, "seed": spec.seed,
   }
   extra.update(derived_counters(c))
   flat = {**cfg.as_flat_dict(), **setup.sim_config.as_flat_dict()}
@@ -259,10 +274,21 @@ def _row(spec: SweepSpec, setup: RunSetup, res, label: str, policy: str, variant
       num_recompute_preemptions=c["recompute_preemptions"], duration_s=res.duration_s, extra=extra)
 
 
+def contention_summary(occupancy, kv_demand) -> dict[str, Optional[float]]:
+  """P50 / P99 over a run's plans of the device pool's occupancy and of the live KV demand (resident plus
+  queued blocks), as fractions of the pool (``SimResult``); None for a run without plans."""
+  out: dict[str, Optional[float]] = {}
+  for name, xs in (("pool_occupancy", occupancy), ("kv_demand", kv_demand)):
+    xs = sorted(xs)
+    for q in (50, 99):
+      out[f"{name}_p{q}"] = xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else None
+  return out
+
+
 def report(output_dir: str, rows) -> str:
-  """Plots + the comparison table (``experiment.runner.finish_report``)."""
+  """Plots + the comparison table (``sweep.finish_report``)."""
   return finish_report(output_dir, rows)
 
 
-__all__ = ["RunSetup", "model_profile", "read_sim_trace", "resolve_run", "run_sim_sweep", "report", "split_variant",
+__all__ = ["RunSetup", "contention_summary", "model_profile", "read_sim_trace", "resolve_run", "run_sim_sweep", "report", "split_variant",
            "validate_variants"]

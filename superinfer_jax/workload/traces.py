@@ -21,7 +21,9 @@ passes ``token_ids=False`` (it needs lengths only; a 20,000-request trace would 
 millions of ids).
 
 ``rescale_to_rps`` keeps the recorded burstiness but stretches the time axis so the mean rate is a given
-RPS. Standard library and numpy only (no JAX).
+RPS (by ``rescale_factor``). Packaged traces (``PACKAGED_TRACES``, files in ``workload/data/`` with their
+provenance and license in its README) are named instead of a path: ``splitwise`` is the Splitwise
+conversation trace. Standard library and numpy only (no JAX).
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ import numpy as np
 from superinfer_jax.workload.types import RequestSpec, Workload, _keep
 
 AZURE = "azure"
+DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+PACKAGED_TRACES = {"splitwise": os.path.join(DATA_DIR, "splitwise_conv.csv")}
 SPLITWISE = "splitwise"
 TRACE_COLUMNS = {
     AZURE: ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
@@ -117,10 +121,12 @@ def read_trace(path: str, *, num_requests: Optional[int] = None, min_prompt_len:
                max_prompt_len: Optional[int] = None, min_output_len: int = 1,
                max_output_len: Optional[int] = None, max_total_len: Optional[int] = None,
                token_ids: bool = True, vocab_size: int = 32000, seed: int = 0,
-               name: Optional[str] = None) -> tuple[Workload, TraceInfo]:
+               name: Optional[str] = None, start: int = 0) -> tuple[Workload, TraceInfo]:
   """Reads an Azure or Splitwise trace CSV (module docstring) into a ``Workload``, arrivals relative to the
-  first kept request, plus a ``TraceInfo``. Length bounds as ``workload.filter_requests``; ``num_requests``
-  keeps the first N (by arrival) after filtering."""
+  first kept request, plus a ``TraceInfo``. Length bounds as ``workload.filter_requests``; after filtering,
+  the first ``start`` requests (by arrival) are skipped and ``num_requests`` keeps the next N (a window of
+  the trace). ``path`` may name a packaged trace (``PACKAGED_TRACES``)."""
+  path = resolve_trace(path)
   if not os.path.isfile(path):
     raise TraceError(f"trace {path!r} is not a file")
   if num_requests is not None and num_requests < 1:
@@ -159,6 +165,9 @@ def read_trace(path: str, *, num_requests: Optional[int] = None, min_prompt_len:
   kept = [r for r in rows if _keep(r[2], r[3], min_prompt_len, max_prompt_len, min_output_len, max_output_len,
                                    max_total_len)]
   filtered = len(rows) - len(kept)
+  if start < 0 or (start and start >= len(kept)):
+    raise TraceError(f"{path}: window start {start} is outside the {len(kept)} requests kept")
+  kept = kept[start:]
   if num_requests is not None:
     kept = kept[:num_requests]
   if not kept:
@@ -178,19 +187,32 @@ def read_trace(path: str, *, num_requests: Optional[int] = None, min_prompt_len:
   return Workload(reqs, name=label), info
 
 
-def rescale_to_rps(workload: Workload, rps: float) -> Workload:
-  """The workload with its arrival times scaled so the mean rate is ``rps`` (``(n - 1) / last arrival``);
-  the relative gaps (burstiness) are kept. ``rps = inf``: everything at 0. A workload whose requests all
-  arrive at once (or only one request) is returned unchanged."""
+def resolve_trace(path: str) -> str:
+  """The file of a packaged trace's name (``PACKAGED_TRACES``), else ``path`` itself."""
+  return PACKAGED_TRACES.get(path, path)
+
+
+def rescale_factor(workload: Workload, rps: float) -> float:
+  """The factor ``rescale_to_rps`` multiplies arrival times by: ``((n - 1) / rps) / last arrival`` (0 for
+  ``rps = inf``; 1 when all requests arrive at once or there is only one)."""
   if not rps > 0:
     raise TraceError(f"rps must be > 0, got {rps}")
   n = len(workload)
   last = workload[n - 1].arrival_s if n else 0.0
   if math.isinf(rps):
-    return workload.with_arrivals([0.0] * n)
+    return 0.0
   if n <= 1 or last <= 0:
+    return 1.0
+  return ((n - 1) / rps) / last
+
+
+def rescale_to_rps(workload: Workload, rps: float) -> Workload:
+  """The workload with its arrival times scaled so the mean rate is ``rps`` (``(n - 1) / last arrival``);
+  the relative gaps (burstiness) are kept. ``rps = inf``: everything at 0. A workload whose requests all
+  arrive at once (or only one request) is returned unchanged."""
+  factor = rescale_factor(workload, rps)
+  if factor == 1.0:
     return workload
-  factor = ((n - 1) / rps) / last
   return workload.with_arrivals([r.arrival_s * factor for r in workload])
 
 
@@ -200,5 +222,6 @@ def load_trace(path: str, *, rps: Optional[float] = None, **kwargs) -> Workload:
   return rescale_to_rps(w, rps) if rps is not None else w
 
 
-__all__ = ["AZURE", "SPLITWISE", "TRACE_COLUMNS", "TraceError", "TraceInfo", "detect_trace_format",
-           "load_trace", "parse_timestamp", "read_trace", "rescale_to_rps"]
+__all__ = ["AZURE", "DATA_DIR", "PACKAGED_TRACES", "SPLITWISE", "TRACE_COLUMNS", "TraceError", "TraceInfo",
+           "detect_trace_format", "load_trace", "parse_timestamp", "read_trace", "rescale_factor", "rescale_to_rps",
+           "resolve_trace"]

@@ -141,6 +141,29 @@ class Workload(Sequence[RequestSpec]):
   def map(self, fn: Callable[[RequestSpec], RequestSpec]) -> "Workload":
     return Workload((fn(r) for r in self), self.name)
 
+  def scale_lengths(self, factor: float, max_total_len: int | None = None) -> "Workload":
+    """Every prompt and output length times ``factor`` (rounded, at least 1), for a length-scaled variant
+    of a workload; arrivals and ids unchanged. With ``max_total_len`` a request is clipped to it (the
+    output first, down to 1 token, then the prompt). Prompt token ids, if any, are repeated cyclically (or
+    cut) to the new length. ``factor == 1`` returns the workload itself."""
+    if not factor > 0 or not np.isfinite(factor):
+      raise ValueError(f"length scale must be a finite number > 0, got {factor!r}")
+    if factor == 1.0:
+      return self
+
+    def scaled(r: RequestSpec) -> RequestSpec:
+      p = max(1, int(round(r.prompt_len * factor)))
+      o = max(1, int(round(r.output_len * factor)))
+      if max_total_len is not None and p + o > max_total_len:
+        o = max(1, max_total_len - p)
+        p = max(1, min(p, max_total_len - o))
+      ids = None
+      if r.prompt_token_ids is not None:
+        ids = tuple(r.prompt_token_ids[i % r.prompt_len] for i in range(p))
+      return dataclasses.replace(r, prompt_len=p, output_len=o, prompt_token_ids=ids)
+
+    return self.map(scaled)
+
   def stats(self) -> dict[str, float]:
     """Token-length summary (mean/p50/p99/max of prompt and output lengths) and the arrival span (s)."""
     if not self._requests:
