@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from superinfer_jax.engine.config import SamplingParams
+from superinfer_jax.model.sampling_params import SamplingParams
 
 WIRE_VERSION = 1
 
