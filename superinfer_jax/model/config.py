@@ -13,6 +13,9 @@ Families: ``llama`` (Llama-2/3/3.x, SmolLM2; HF ``mistral`` is read as ``llama``
 experts). Rope scaling types ``linear`` / ``dynamic`` / ``llama3`` and sliding-window attention (Mistral /
 Mixtral ``sliding_window``, Qwen2 ``use_sliding_window`` + ``max_window_layers``) are config fields; any
 other rope type raises ``UnsupportedModelError`` naming it. See docs/models.md.
+
+The HF and GGUF field mappings live in ``config_hf.py`` / ``config_gguf.py``, the errors in
+``config_fields.py`` (re-exported here), the memory estimate in ``memory.py``.
 """
 from __future__ import annotations
 
@@ -22,25 +25,16 @@ import os
 from typing import Any, Mapping
 
 from superinfer_jax.kv import layout
+from superinfer_jax.model.config_fields import ROPE_TYPES, ConfigError, UnsupportedModelError, as_id_tuple
+from superinfer_jax.model.config_gguf import gguf_config_kwargs
+from superinfer_jax.model.config_hf import hf_config_kwargs
+from superinfer_jax.model.memory import MemoryEstimate
 
 DTYPE_NAMES = ("float32", "bfloat16")  # weights / KV / activations (model.params.DTYPES maps them)
 SUPPORTED_FAMILIES = ("llama", "qwen2", "mixtral")
 KNOWN_FAMILIES = SUPPORTED_FAMILIES
-# HF ``model_type`` -> family (Mistral is Llama with a sliding window).
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "mixtral": "mixtral"}
-GGUF_ARCHS = ("llama", "qwen2")   # llama.cpp writes Mixtral as "llama" with llama.expert_count > 0
-# ``rope_type`` values the forward implements (transformers' names); ``default`` is plain RoPE.
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                            "configs", "models")
-
-
-class ConfigError(ValueError):
-  """A config is missing a field, has an unknown field, or a field has a bad value."""
-
-
-class UnsupportedModelError(ValueError):
-  """The architecture (family, activation, rope scaling, ...) is not implemented here."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +220,7 @@ class ModelConfig:
     kwargs = dict(d)
     for f in ("eos_token_ids", "sliding_window_layers"):
       if f in kwargs:
-        kwargs[f] = _as_id_tuple(kwargs[f])
+        kwargs[f] = as_id_tuple(kwargs[f])
     for f in ("rope_theta", "rms_norm_eps", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
       if f in kwargs:
         kwargs[f] = float(kwargs[f])
@@ -234,210 +228,17 @@ class ModelConfig:
 
   @classmethod
   def from_hf_dict(cls, d: Mapping[str, Any], name: str = "") -> "ModelConfig":
-    """From an HF ``config.json`` dict (Llama, Mistral, Qwen2, Mixtral ``*ForCausalLM``; transformers 4/5)."""
-    model_type = d.get("model_type")
-    if model_type is None:
-      raise ConfigError("HF config has no 'model_type' field")
-    if model_type not in HF_MODEL_TYPES:
-      raise UnsupportedModelError(
-          f"HF model_type {model_type!r} is not supported; supported: {sorted(HF_MODEL_TYPES)}")
-    family = HF_MODEL_TYPES[model_type]
-    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-    missing = [k for k in required if d.get(k) is None]
-    if missing:
-      raise ConfigError(f"HF config ({model_type}) is missing required field(s) {missing}")
-    act = d.get("hidden_act", "silu")
-    if act != "silu":
-      raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu' / SwiGLU)")
-    if d.get("mlp_bias"):
-      raise UnsupportedModelError("mlp_bias=True is not supported")
-    if family != "qwen2" and d.get("attention_bias"):
-      raise UnsupportedModelError(f"{model_type} with attention_bias=True (bias on q/k/v/o) is not supported")
-    num_layers = d["num_hidden_layers"]
-    num_heads = d["num_attention_heads"]
-    head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
-    rope = _hf_rope_fields(d)
-    max_pos = d.get("max_position_embeddings", 2048)
-    if rope["rope_type"] in ("linear", "dynamic"):
-      max_pos = int(max_pos * rope["rope_factor"])
-    window, window_layers = _hf_sliding_window(d, model_type, num_layers, max_pos)
-    moe = family == "mixtral"
-    return cls(
-        family=family,
-        vocab_size=d["vocab_size"],
-        hidden_size=d["hidden_size"],
-        intermediate_size=d["intermediate_size"],
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=d.get("num_key_value_heads") or num_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_pos,
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2",
-        bos_token_id=d.get("bos_token_id"),
-        eos_token_ids=_as_id_tuple(d.get("eos_token_id")),
-        num_experts=d.get("num_local_experts", 0) if moe else 0,
-        num_experts_per_token=d.get("num_experts_per_tok", 0) if moe else 0,
-        name=name or d.get("_name_or_path", "") or "",
-        sliding_window=window,
-        sliding_window_layers=window_layers,
-        **rope,
-    )
+    """From an HF ``config.json`` dict (Llama, Mistral, Qwen2, Mixtral ``*ForCausalLM``; transformers 4/5).
+
+    ``ConfigError`` for a missing required field, ``UnsupportedModelError`` for an architecture not
+    implemented here (see ``config_hf.hf_config_kwargs``)."""
+    return cls(**hf_config_kwargs(d, name))
 
   @classmethod
   def from_gguf_fields(cls, meta: Mapping[str, Any], *, tie_word_embeddings: bool,
                        name: str = "") -> "ModelConfig":
     """From decoded GGUF metadata (``{key: python value}``). Tying is read off the tensor list by the caller."""
-    arch = meta.get("general.architecture")
-    if arch is None:
-      raise ConfigError("GGUF metadata has no 'general.architecture'")
-    if arch not in GGUF_ARCHS:
-      raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported; supported: {GGUF_ARCHS}")
-
-    def get(key, default=dataclasses.MISSING):
-      full = f"{arch}.{key}"
-      if full in meta:
-        return meta[full]
-      if default is dataclasses.MISSING:
-        raise ConfigError(f"GGUF metadata is missing required field {full!r}")
-      return default
-
-    num_heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    vocab = meta.get(f"{arch}.vocab_size")
-    if vocab is None:
-      tokens = meta.get("tokenizer.ggml.tokens")
-      if tokens is None:
-        raise ConfigError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
-      vocab = len(tokens)
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    experts = int(get("expert_count", 0) or 0)
-    scaling = str(get("rope.scaling.type", "none") or "none")
-    rope: dict[str, Any] = {}
-    if scaling == "linear":
-      rope = dict(rope_type="linear", rope_factor=float(get("rope.scaling.factor")))
-    elif scaling != "none":
-      raise UnsupportedModelError(f"GGUF rope scaling type {scaling!r} is not supported (only linear)")
-    return cls(
-        family="mixtral" if experts else arch,
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-        head_dim=int(get("attention.key_length", hidden // num_heads)),
-        max_position_embeddings=int(get("context_length")),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        tie_word_embeddings=tie_word_embeddings,
-        qkv_bias=arch == "qwen2",
-        bos_token_id=_opt_int(meta.get("tokenizer.ggml.bos_token_id")),
-        eos_token_ids=_as_id_tuple(eos),
-        num_experts=experts,
-        num_experts_per_token=int(get("expert_used_count", 0) or 0) if experts else 0,
-        name=name or str(meta.get("general.name", "")),
-        **rope,
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryEstimate:
-  """What a model needs in device memory before any request: weights, plus KV per cache block."""
-  weight_bytes: int
-  kv_block_bytes: int
-  block_size: int
-  dtype: str
-
-  @property
-  def kv_bytes_per_token(self) -> float:
-    return self.kv_block_bytes / self.block_size
-
-  def blocks_that_fit(self, device_bytes: float, reserve_bytes: float = 0.0) -> int:
-    """KV blocks that fit next to the weights in ``device_bytes`` (minus ``reserve_bytes``); may be <= 0."""
-    return int((device_bytes - reserve_bytes - self.weight_bytes) // self.kv_block_bytes)
-
-  def describe(self, num_blocks: int | None = None) -> str:
-    """One line: weights + KV per block (and the total with ``num_blocks`` device blocks)."""
-    gib = 2.0 ** 30
-    line = (f"memory estimate ({self.dtype}): weights {self.weight_bytes / gib:.3f} GiB + KV "
-            f"{self.kv_block_bytes / 2**20:.4f} MiB per block of {self.block_size} tokens "
-            f"({self.kv_bytes_per_token / 1024:.2f} KiB per token)")
-    if num_blocks is not None:
-      total = self.weight_bytes + num_blocks * self.kv_block_bytes
-      line += f"; with {num_blocks} device blocks: {total / gib:.3f} GiB"
-    return line
-
-
-def _hf_rope_fields(d: Mapping[str, Any]) -> dict[str, Any]:
-  """Rope fields of ModelConfig from HF ``rope_parameters`` (5.x) / ``rope_scaling`` + ``rope_theta`` (4.x)."""
-  rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-  if any(isinstance(v, Mapping) for v in rope.values()):
-    raise UnsupportedModelError(f"per-layer-type rope parameters {sorted(rope)} are not supported")
-  rope_type = rope.get("rope_type", rope.get("type")) or "default"
-  if rope_type not in ROPE_TYPES:
-    raise UnsupportedModelError(f"rope scaling type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
-  if rope.get("partial_rotary_factor", 1.0) != 1.0 or d.get("partial_rotary_factor", 1.0) != 1.0:
-    raise UnsupportedModelError("partial_rotary_factor != 1 (partial RoPE) is not supported")
-  out: dict[str, Any] = {"rope_type": rope_type,
-                         "rope_theta": float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))}
-  if rope_type == "default":
-    return out
-  if rope.get("factor") is None:
-    raise ConfigError(f"rope scaling {rope_type!r} has no 'factor'")
-  out["rope_factor"] = float(rope["factor"])
-  if rope.get("attention_factor", 1.0) != 1.0:
-    raise UnsupportedModelError(f"rope attention_factor {rope['attention_factor']} != 1 is not supported")
-  if rope_type == "dynamic":   # transformers' NTK formula uses the config's max_position_embeddings
-    out["rope_original_max_positions"] = int(d.get("max_position_embeddings", 2048))
-  elif rope_type == "llama3":
-    missing = [k for k in ("low_freq_factor", "high_freq_factor") if rope.get(k) is None]
-    if missing:
-      raise ConfigError(f"llama3 rope scaling is missing {missing}")
-    out.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
-               rope_high_freq_factor=float(rope["high_freq_factor"]),
-               rope_original_max_positions=int(rope.get("original_max_position_embeddings")
-                                               or d.get("original_max_position_embeddings")
-                                               or d.get("max_position_embeddings", 2048)))
-  return out
-
-
-def _hf_sliding_window(d: Mapping[str, Any], model_type: str, num_layers: int,
-                       max_positions: int) -> tuple[int, tuple[int, ...]]:
-  """(window, layers that use it) as transformers decides: HF ``layer_types`` when present, else Qwen2's
-  ``use_sliding_window`` + layers ``>= max_window_layers``, Mistral / Mixtral ``sliding_window`` on all.
-  A window at least as long as the usable context is dropped (it never cuts anything)."""
-  window = d.get("sliding_window")
-  if model_type == "llama" or (model_type == "qwen2" and not d.get("use_sliding_window")):
-    window = None   # LlamaConfig has no window; Qwen2's applies only with use_sliding_window
-  if not window or int(window) >= max_positions:
-    return 0, ()
-  layer_types = d.get("layer_types")
-  if layer_types is not None:
-    if len(layer_types) != num_layers:
-      raise ConfigError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
-    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-    if unknown:
-      raise UnsupportedModelError(f"layer types {unknown} are not supported")
-    layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
-  elif model_type == "qwen2":
-    layers = tuple(range(int(d.get("max_window_layers", 28)), num_layers))
-  else:
-    layers = tuple(range(num_layers))
-  return (int(window), layers) if layers else (0, ())
-
-
-def _opt_int(v):
-  return None if v is None else int(v)
-
-
-def _as_id_tuple(v) -> tuple[int, ...]:
-  if v is None:
-    return ()
-  if isinstance(v, (list, tuple)):
-    return tuple(int(x) for x in v)
-  return (int(v),)
+    return cls(**gguf_config_kwargs(meta, tie_word_embeddings=tie_word_embeddings, name=name))
 
 
 def builtin_config_names() -> list[str]:
