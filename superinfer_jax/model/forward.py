@@ -147,12 +147,7 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
     o = attn(q, kv, layer, batch.block_tables, batch.context_lens, batch.query_start_loc, scale=scale, **kw)
     o = o.reshape(T, Hq * D).astype(x.dtype)
     x = x + matmul(o, lp["wo"])
-    h = rms_norm(x, mlp_norm, cfg.rms_norm_eps)
-    if cfg.is_moe:
-      x = x + moe_mlp(h, lp, cfg.num_experts_per_token, impl=moe)
-    else:
-      gate, up = fused.gate_up(h, lp)
-      x = x + fused.down((jax.nn.silu(gate) * up).astype(h.dtype), lp)
+    x = x + _mlp(rms_norm(x, mlp_norm, cfg.rms_norm_eps), lp, cfg, moe)
     return (x, kv), None
 
   layer_windows = jnp.asarray(windows or (0,) * cfg.num_layers, jnp.int32)
@@ -162,12 +157,27 @@ def forward(params, kv_cache: jax.Array, batch: BatchInputs, cfg: ModelConfig, a
   else:
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, kv_cache), _ = jax.lax.scan(layer_body, (x, kv_cache), (params["layers"], layer_ids, layer_windows))
-  x = rms_norm(x[batch.logits_indices], params["final_norm"], cfg.rms_norm_eps)   # [R, H]
+  return _logits(x[batch.logits_indices], params, cfg), kv_cache
+
+
+def _mlp(h: jax.Array, lp, cfg: ModelConfig, moe: str) -> jax.Array:
+  """The MLP block's output ``[T, H]`` (dtype of ``h``) for normed input ``h [T, H]``: SwiGLU, or the
+  routed expert mixture for an MoE config (``moe`` picks its formulation)."""
+  if cfg.is_moe:
+    return moe_mlp(h, lp, cfg.num_experts_per_token, impl=moe)
+  gate, up = fused.gate_up(h, lp)
+  return fused.down((jax.nn.silu(gate) * up).astype(h.dtype), lp)
+
+
+def _logits(x: jax.Array, params, cfg: ModelConfig) -> jax.Array:
+  """float32 logits ``[R, V]`` of the hidden states ``x [R, H]`` of the wanted rows (final norm, then the
+  output projection, accumulated in float32)."""
+  x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   # Output weight: embed [V, H] (tied) or lm_head [H, V]; h_axis is its hidden axis, contracted with x's.
   w_out, h_axis = (params["embed"], 1) if cfg.tie_word_embeddings else (params["lm_head"], 0)
   dims = (((1,), (h_axis,)), ((), ()))
-  logits = jax.lax.dot_general(x, w_out, dims, preferred_element_type=jnp.float32)   # [R, V]
-  return logits.astype(jnp.float32), kv_cache
+  logits = jax.lax.dot_general(x, w_out, dims, preferred_element_type=jnp.float32)
+  return logits.astype(jnp.float32)
 
 
 # Jitted ``forward``: ``kv_cache`` donated, ``cfg``, ``attention`` and ``moe`` static.

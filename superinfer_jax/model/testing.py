@@ -70,6 +70,17 @@ def llama_cpp_permute(w, n_head: int):
   return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# HF per-layer parameter suffix -> GGUF tensor suffix (llama.cpp's names), dense and Mixtral.
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.experts.gate_exps": "ffn_gate_exps.weight",
+    "mlp.experts.up_exps": "ffn_up_exps.weight", "mlp.experts.down_exps": "ffn_down_exps.weight"}
+
+
 def write_gguf_from_hf_model(path: str, model, *, quantize_q8: bool = False) -> None:
   """Writes a transformers Llama (or Mixtral) model as a GGUF file the way llama.cpp's converter lays it out.
 
@@ -81,49 +92,11 @@ def write_gguf_from_hf_model(path: str, model, *, quantize_q8: bool = False) -> 
   import numpy as np
   c = model.config
   w = gguf.GGUFWriter(path, "llama")
-  w.add_block_count(c.num_hidden_layers)
-  w.add_context_length(c.max_position_embeddings)
-  w.add_embedding_length(c.hidden_size)
-  w.add_feed_forward_length(c.intermediate_size)
-  w.add_head_count(c.num_attention_heads)
-  w.add_head_count_kv(c.num_key_value_heads)
-  w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
-  w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
-  w.add_vocab_size(c.vocab_size)
-  moe = getattr(c, "num_local_experts", 0)
-  if moe:
-    w.add_expert_count(c.num_local_experts)
-    w.add_expert_used_count(c.num_experts_per_tok)
-  names = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
-           "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
-           "self_attn.o_proj.weight": "attn_output.weight",
-           "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-           "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
-  tensors = []
-  for name, t in model.state_dict().items():
-    a = t.detach().float().numpy()
-    if name.endswith("mlp.experts.gate_up_proj"):         # transformers 5: [E, 2F, H] = gate ; up
-      f = a.shape[1] // 2
-      tensors += [(name.replace("gate_up_proj", "gate_exps"), a[:, :f]),
-                  (name.replace("gate_up_proj", "up_exps"), a[:, f:])]
-    elif name.endswith("mlp.experts.down_proj"):
-      tensors.append((name.replace("down_proj", "down_exps"), a))
-    else:
-      tensors.append((name, a))
-  names.update({"mlp.gate.weight": "ffn_gate_inp.weight", "mlp.experts.gate_exps": "ffn_gate_exps.weight",
-                "mlp.experts.up_exps": "ffn_up_exps.weight", "mlp.experts.down_exps": "ffn_down_exps.weight"})
-  for name, a in tensors:
-    if name == "model.embed_tokens.weight":
-      gname = "token_embd.weight"
-    elif name == "model.norm.weight":
-      gname = "output_norm.weight"
-    elif name == "lm_head.weight":
-      if c.tie_word_embeddings:
-        continue
-      gname = "output.weight"
-    else:
-      parts = name.split(".")
-      gname = f"blk.{parts[2]}.{names['.'.join(parts[3:])]}"
+  _add_llama_metadata(w, c)
+  for name, a in _hf_numpy_tensors(model):
+    gname = _gguf_tensor_name(name, c)
+    if gname is None:
+      continue
     if gname.endswith("attn_q.weight"):
       a = llama_cpp_permute(a, c.num_attention_heads)
     elif gname.endswith("attn_k.weight"):
@@ -137,3 +110,48 @@ def write_gguf_from_hf_model(path: str, model, *, quantize_q8: bool = False) -> 
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
+
+
+def _add_llama_metadata(w, c) -> None:
+  """The ``llama.*`` metadata of HF config ``c`` on GGUF writer ``w`` (expert counts for a Mixtral)."""
+  w.add_block_count(c.num_hidden_layers)
+  w.add_context_length(c.max_position_embeddings)
+  w.add_embedding_length(c.hidden_size)
+  w.add_feed_forward_length(c.intermediate_size)
+  w.add_head_count(c.num_attention_heads)
+  w.add_head_count_kv(c.num_key_value_heads)
+  w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+  w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
+  w.add_vocab_size(c.vocab_size)
+  if getattr(c, "num_local_experts", 0):
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+
+
+def _hf_numpy_tensors(model) -> list:
+  """``(HF name, float32 numpy array)`` of every state-dict tensor in order; a transformers-5 merged expert
+  ``gate_up_proj [E, 2F, H]`` comes back as ``gate_exps`` then ``up_exps``, ``down_proj`` as ``down_exps``."""
+  tensors = []
+  for name, t in model.state_dict().items():
+    a = t.detach().float().numpy()
+    if name.endswith("mlp.experts.gate_up_proj"):         # transformers 5: [E, 2F, H] = gate ; up
+      f = a.shape[1] // 2
+      tensors += [(name.replace("gate_up_proj", "gate_exps"), a[:, :f]),
+                  (name.replace("gate_up_proj", "up_exps"), a[:, f:])]
+    elif name.endswith("mlp.experts.down_proj"):
+      tensors.append((name.replace("down_proj", "down_exps"), a))
+    else:
+      tensors.append((name, a))
+  return tensors
+
+
+def _gguf_tensor_name(name: str, c):
+  """The GGUF name of HF tensor ``name``; None for a tied ``lm_head`` (GGUF stores it once, as the embedding)."""
+  if name == "model.embed_tokens.weight":
+    return "token_embd.weight"
+  if name == "model.norm.weight":
+    return "output_norm.weight"
+  if name == "lm_head.weight":
+    return None if c.tie_word_embeddings else "output.weight"
+  parts = name.split(".")
+  return f"blk.{parts[2]}.{_GGUF_LAYER_NAMES['.'.join(parts[3:])]}"
