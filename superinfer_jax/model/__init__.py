@@ -1,4 +1,4 @@
-"""Functional Llama-family model over the paged block-first KV cache (see WORKSPACE_NOTES "Model step").
+"""Functional Llama-family model over the paged block-first KV cache.
 
 Public API::
 
@@ -20,7 +20,9 @@ Imports between the submodules (acyclic, checked by tests/test_model_imports.py)
   tokenizer -> paths; loaders.gguf_loader only inside tokenizer_from_gguf (it imports JAX)
   loaders.* -> config, params (hf also -> loaders.safetensors_io); never api, tokenizer or convert
   params    -> config
-  paths, config, batch, attention, moe, testing: no other model module
+  config    -> config_fields, config_gguf, config_hf, memory
+  config_gguf, config_hf -> config_fields
+  paths, config_fields, memory, sampling_params, batch, attention, moe, testing: no other model module
 """
 from __future__ import annotations
 

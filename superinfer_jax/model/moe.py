@@ -18,8 +18,8 @@ Formulations (``MOE_IMPLS``), all exact (no capacity, no dropped tokens):
 * ``pallas`` (default on a GPU): the same tiles through ``pallas_kernels.grouped_matmul``, which reads
   each tile's expert weights in place from the stacked array and skips the padding tiles.
 * ``ragged_dot``: the same sorted rows through ``jax.lax.ragged_dot`` (a grouped GEMM). Only worth it where
-  XLA lowers ragged dot natively: in jax 0.10.2 the CPU and CUDA backends rewrite it to a dense masked
-  matmul over all experts (FLOPs ``~ T * E``; measured in tests/test_mixtral.py), hence not the default.
+  XLA lowers ragged dot natively; the CPU and CUDA backends may rewrite it to a dense masked matmul over
+  all experts (FLOPs ``~ T * E``), hence not the default.
 
 Shapes: ``h [T, H]``; per layer ``router [H, E]``, ``w_gate`` / ``w_up`` ``[E, H, F]``, ``w_down [E, F, H]``.
 """

@@ -8,7 +8,7 @@ attention's o-proj, one after the MLP, the vocab-sharded embedding lookup and lo
 ``ShardedAttention`` runs attention per shard.
 
 ``tensor_parallel_size == 1`` never builds one (``make_tensor_parallel`` returns None): the single-device
-path stays exactly as it was.
+path then runs with no mesh and no sharding annotations.
 """
 from __future__ import annotations
 
