@@ -9,7 +9,8 @@ The table is ``pallas_kernels/tuning/ragged_paged_attention.json``::
 ``card`` is ``normalize_card(device_kind)``; ``mode`` is ``"decode"`` or ``"mixed"``; ``context_bucket`` is
 the next power of two of the block-table capacity in tokens (``max_blocks * block_size``) and
 ``batch_bucket`` the next power of two of the number of sequences (both static shapes). ``meta`` holds what
-produced the entry (command, timing, card); it is never read by the kernel.
+produced the entry (command, timing, card); it is never read by the kernel. The table is read at every trace
+(it is small), so a rewritten table applies to the next trace.
 
 ``select`` returns the tunable overrides for a launch and a ``TuningChoice`` saying which entry was chosen
 and why; a missing table, card or head config falls back to ``{}`` (the kernel's ``auto_config``). Explicit
@@ -18,7 +19,6 @@ kernel arguments always win over the table (the caller merges them last).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -28,6 +28,7 @@ from typing import Optional
 TUNABLES = ("tile_q", "blocks_per_iter", "num_splits", "num_warps", "num_stages")
 DEFAULT_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning",
                                   "ragged_paged_attention.json")
+TABLE_ENV = "PALLAS_ATTENTION_TUNING_TABLE"
 _KEY_FIELDS = ("card", "num_q_heads", "num_kv_heads", "head_dim", "dtype", "block_size", "mode",
                "context_bucket", "batch_bucket")
 
@@ -67,15 +68,10 @@ def load_table(path: str = DEFAULT_TABLE_PATH) -> dict:
   return table
 
 
-@functools.lru_cache(maxsize=8)
-def _cached_table(path: str, mtime: float) -> str:
-  del mtime  # part of the cache key only: a rewritten table is re-read
-  return json.dumps(load_table(path))
-
-
-def _table(path: str) -> dict:
-  mtime = os.path.getmtime(path) if os.path.exists(path) else 0.0
-  return json.loads(_cached_table(path, mtime))
+def table_path() -> str:
+  """The table the kernel reads: ``$PALLAS_ATTENTION_TUNING_TABLE`` if set (a tuning run writing elsewhere),
+  else ``DEFAULT_TABLE_PATH``."""
+  return os.environ.get(TABLE_ENV, "") or DEFAULT_TABLE_PATH
 
 
 def make_key(*, device_kind: str, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: str,
@@ -87,10 +83,10 @@ def make_key(*, device_kind: str, num_q_heads: int, num_kv_heads: int, head_dim:
               batch_bucket=pow2_bucket(num_seqs))
 
 
-def select(key: dict, path: str = DEFAULT_TABLE_PATH) -> TuningChoice:
+def select(key: dict, path: Optional[str] = None) -> TuningChoice:
   """The table's overrides for ``key`` (a ``make_key`` dict): exact entry, else the nearest bucket of the
   same card / head config / dtype / block size / mode, else ``{}`` with the reason."""
-  entries = _table(path)["entries"]
+  entries = load_table(path or table_path())["entries"]
   if not entries:
     return TuningChoice(key, "default: tuning table empty or absent", {})
   same_card = [e for e in entries if e["key"]["card"] == key["card"]]
@@ -116,8 +112,10 @@ def merge_overrides(table_config: dict, explicit: dict) -> dict:
   return out
 
 
-def write_entry(key: dict, config: dict, meta: dict, path: str = DEFAULT_TABLE_PATH) -> None:
-  """Adds or replaces the entry with exactly ``key`` (entries kept sorted by key for stable diffs)."""
+def write_entry(key: dict, config: dict, meta: dict, path: Optional[str] = None) -> None:
+  """Adds or replaces the entry with exactly ``key`` in ``path`` (default ``table_path()``); entries are kept
+  sorted by key for stable diffs."""
+  path = path or table_path()
   unknown = set(config) - set(TUNABLES)
   if unknown or set(key) != set(_KEY_FIELDS):
     raise ValueError(f"bad entry: key {key}, config {config}")

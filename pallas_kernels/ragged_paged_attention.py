@@ -271,23 +271,21 @@ def _device_kind() -> str:
 def select_config(*, num_tokens: int, num_seqs: int, max_blocks: int, num_q_heads: int, num_kv_heads: int,
                   head_dim: int, block_size: int, kv_dtype, decode: bool, interpret: bool,
                   overrides: Optional[dict] = None, device_kind: Optional[str] = None,
-                  table_path: str = attention_tuning.DEFAULT_TABLE_PATH):
+                  table_path: Optional[str] = None):
   """The launch's KernelConfig and the ``TuningChoice`` behind it (all static; runs at trace time).
 
   Precedence: explicit ``overrides`` (non-None values) > the tuning-table entry for (card, heads, dtype,
-  block size, decode|mixed, context / batch bucket) > ``auto_config``. Interpret mode never reads the table
-  (its entries are GPU launch parameters) unless ``device_kind`` is given. Raises ValueError for a config the
-  compiled kernel cannot run.
+  block size, decode|mixed, context / batch bucket) > ``auto_config``. device_kind: the card to look up
+  (default: the default device's ``device_kind``; on CPU that is "cpu", which only a test table holds).
+  table_path: default ``attention_tuning.table_path()``. Raises ValueError for a config the compiled kernel
+  cannot run.
   """
   explicit = {k: v for k, v in (overrides or {}).items() if v is not None}
   key = attention_tuning.make_key(
       device_kind=device_kind if device_kind is not None else _device_kind(), num_q_heads=num_q_heads,
       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=jnp.dtype(kv_dtype).name, block_size=block_size,
       decode=decode, max_blocks=max_blocks, num_seqs=num_seqs)
-  if interpret and device_kind is None:
-    choice = attention_tuning.TuningChoice(key, "default: interpret mode", {})
-  else:
-    choice = attention_tuning.select(key, table_path)
+  choice = attention_tuning.select(key, table_path)
   merged = attention_tuning.merge_overrides(choice.config, explicit)
   if explicit:
     choice = dataclasses.replace(choice, reason=f"{choice.reason}; explicit {sorted(explicit)}")
