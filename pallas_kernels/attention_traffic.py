@@ -17,6 +17,8 @@ Returned dict (bytes unless named otherwise):
   rows, real_rows: query rows per program and how many of them carry a real (token, head) pair on average.
   pipeline_stages / bytes_in_flight_per_program: Triton's software pipelining depth of the KV loop and the
     K/V bytes it keeps in flight per program (``num_stages * keys per step * D * 2 * itemsize``).
+  smem_per_program / resident_programs_per_core / waves: an upper-bound occupancy estimate from shared memory
+    alone (pipelined K/V buffers plus the query tile; registers may allow fewer) and the grid's waves at it.
 """
 from __future__ import annotations
 
@@ -25,10 +27,13 @@ from typing import Optional, Sequence
 from pallas_kernels.attention_config import KernelConfig
 from pallas_kernels.attention_tiles import num_tiles as static_num_tiles
 
+SMEM_PER_CORE = 227 * 1024   # shared memory one SM of an H100 / H200 can give its resident programs
+
 
 def traffic(seqs: Sequence[tuple[int, int]], *, cfg: KernelConfig, num_q_heads: int, num_kv_heads: int,
             head_dim: int, block_size: int, itemsize: int, decode_layout: bool,
-            num_tokens: Optional[int] = None, num_cores: int = 132) -> dict:
+            num_tokens: Optional[int] = None, num_cores: int = 132,
+            smem_per_core: int = SMEM_PER_CORE) -> dict:
   """Byte counts of one launch (see the module docstring). decode_layout: the ``paged_decode_attention`` grid
   (one tile per sequence); else the ragged grid with its static tile bound over ``num_tokens`` slots."""
   group = num_q_heads // num_kv_heads
@@ -60,6 +65,9 @@ def traffic(seqs: Sequence[tuple[int, int]], *, cfg: KernelConfig, num_q_heads: 
   else:   # f32 partials (o, m, l) written, then the real rows read back by the merge
     write_out = cfg.num_splits * (out_rows * (head_dim + 2) * 4 + total_tokens * num_q_heads * (head_dim + 2) * 4)
   programs = grid_tiles * num_kv_heads * cfg.num_splits
+  in_flight = cfg.num_stages * keys_per_step * head_dim * 2 * itemsize
+  smem = in_flight + cfg.rows * head_dim * itemsize
+  resident = max(1, smem_per_core // smem)
   total = read_kv + read_bt + read_q + write_out
   return dict(required_kv=required, read_kv=read_kv, read_block_table=read_bt, read_q=read_q,
               write_out=write_out, total=total, overhead=(total / required) if required else None,
@@ -68,7 +76,8 @@ def traffic(seqs: Sequence[tuple[int, int]], *, cfg: KernelConfig, num_q_heads: 
               programs_per_core=programs / num_cores, rows=cfg.rows,
               real_rows=(total_tokens * group / max(real_tiles, 1)), keys_per_step=keys_per_step,
               pipeline_stages=cfg.num_stages, num_warps=cfg.num_warps, num_splits=cfg.num_splits,
-              bytes_in_flight_per_program=cfg.num_stages * keys_per_step * head_dim * 2 * itemsize)
+              bytes_in_flight_per_program=in_flight, smem_per_program=smem,
+              resident_programs_per_core=resident, waves=programs / (num_cores * resident))
 
 
 def format_traffic(t: dict) -> str:
@@ -77,4 +86,5 @@ def format_traffic(t: dict) -> str:
           f"(KV x{t['kv_reread_factor']:.2f}, total x{t['overhead']:.2f}); {t['programs']} programs "
           f"({t['programs_per_core']:.1f}/SM), {t['rows']} rows ({t['real_rows']:.1f} real), "
           f"{t['keys_per_step']} keys/step, {t['pipeline_stages']} stages "
-          f"({t['bytes_in_flight_per_program'] / 1024:.0f} KiB in flight/program), splits {t['num_splits']}")
+          f"({t['bytes_in_flight_per_program'] / 1024:.0f} KiB in flight/program, <= "
+          f"{t['resident_programs_per_core']} resident/SM, {t['waves']:.2f} waves), splits {t['num_splits']}")

@@ -9,6 +9,9 @@ moves vs bytes it must read, programs, rows, pipeline depth; and which tuning-ta
   python scripts/bench_attention.py --json_out=out/bench_attention.json
   python scripts/bench_attention.py --tune --tune_budget_s=170 --context_lens=2048,8192   # GPU: sweep, write table
   python scripts/bench_attention.py --tune --dry_run --json_out=/tmp/b.json               # CPU: the same path, tiny
+  python scripts/bench_attention.py --traffic_only --batch_sizes=32,64 --context_lens=2048,8192 --num_q_heads=32 \
+      --num_kv_heads=8 --head_dim=128 --dtype=bfloat16 --mixed_prefill_chunks=8 --mixed_chunk_tokens=512 \
+      --mixed_decode_rows=56 --mixed_context=2048                                        # analysis, any backend
 
 Cases: decode batches (``--batch_sizes`` x ``--context_lens``, one query per sequence) and one mixed step
 (``--mixed_prefill_chunks`` chunks of ``--mixed_chunk_tokens`` tokens ending at ``--mixed_context`` plus
@@ -71,6 +74,7 @@ flags.DEFINE_integer("tune_iters", 10, "Timed calls per --tune candidate (after 
 flags.DEFINE_string("tune_table", None, "Tuning table --tune writes and the bench reads (default: the "
                     "repository's table; with --dry_run next to --json_out).")
 flags.DEFINE_boolean("dry_run", False, "CPU smoke run: tiny shapes in interpret mode through every stage.")
+flags.DEFINE_boolean("traffic_only", False, "Print each case's kernel config and traffic analysis; time nothing.")
 flags.DEFINE_boolean("check", True, "Compare each output with the reference (small extra cost).")
 flags.DEFINE_string("json_out", None, "Write results as JSON here.")
 flags.DEFINE_integer("seed", 0, "RNG seed.")
@@ -239,7 +243,7 @@ def tune_candidates(mode: str, on_gpu: bool):
   if mode == "decode":
     tiling = [dict(blocks_per_iter=b, num_splits=p) for b in (2, 4, 8) for p in (1, 2, 4, 8)]
   else:
-    tiling = [dict(tile_q=t, blocks_per_iter=b) for t in (4, 8, 16) for b in (2, 4, 8)]
+    tiling = [dict(tile_q=t, blocks_per_iter=b) for t in (4, 8, 16, 32) for b in (2, 4, 8)]
   launch = [dict(num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))]
   return [dict(c, num_warps=4, num_stages=2) for c in tiling], launch
 
@@ -333,12 +337,13 @@ class Bench:
       out.append(("mixed", len(seqs), self.mixed[3], seqs))
     return out
 
-  def choice(self, mode, seqs, max_blocks):
-    """(KernelConfig, TuningChoice) the kernel uses for this case."""
+  def choice(self, mode, seqs, max_blocks, interpret=None):
+    """(KernelConfig, TuningChoice) the kernel uses for this case (interpret: default this run's mode)."""
     num_tokens = sum(q for q, _ in seqs)
     return rpa.select_config(num_tokens=num_tokens, num_seqs=len(seqs), max_blocks=max_blocks,
                              num_q_heads=self.hq, num_kv_heads=self.hkv, head_dim=self.d, block_size=self.bs,
-                             kv_dtype=self.dtype, decode=mode == "decode", interpret=self.interpret,
+                             kv_dtype=self.dtype, decode=mode == "decode",
+                             interpret=self.interpret if interpret is None else interpret,
                              overrides=self.kernel_kw)
 
   def traffic(self, mode, seqs, cfg):
@@ -405,6 +410,18 @@ class Bench:
     es = f"{err:9.2e}" if err is not None else f"{'-':>9}"
     print(f"{mode:>6} {batch:>6} {context:>8} {name:>10} {res['ms']:9.3f} {gbps:8.1f} {fp} {vj} {es}", flush=True)
 
+  def traffic_report(self):
+    """--traffic_only: the compiled kernel's config and traffic analysis of every case, from shapes alone (no
+    arrays; on a CPU with 132 SMs assumed, as on an H100 SXM / H200)."""
+    for mode, batch, context, seqs in self.cases():
+      cfg, choice = self.choice(mode, seqs, -(-context // self.bs), interpret=False)
+      t = self.traffic(mode, seqs, cfg)
+      print(f"{mode} batch {batch} context {context}: {cfg} ({choice.reason})\n  "
+            f"{attention_traffic.format_traffic(t)}")
+      self.payload["results"].append(dict(impl="pallas", mode=mode, batch=batch, context=context,
+                                          kernel_config=dataclasses.asdict(cfg), tuning_reason=choice.reason,
+                                          traffic=t))
+
   def bench(self, key):
     names = list(FLAGS.impls)
     impls = build_impls(names, scale=self.scale, interpret=self.interpret, layer=self.layer,
@@ -456,6 +473,10 @@ def main(argv):
         f"peak={b.peak / 1e9 if b.peak else None} GB/s; heads {b.hq}/{b.hkv} d {b.d} bs {b.bs} {b.dtype.name}; "
         f"table {attention_tuning.table_path()}")
   key = jax.random.PRNGKey(FLAGS.seed)
+  if FLAGS.traffic_only:
+    b.traffic_report()
+    b.write_json()
+    return
   if FLAGS.tune:
     key = b.tune(key)
   b.bench(key)
