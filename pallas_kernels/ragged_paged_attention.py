@@ -37,8 +37,9 @@ tuning table (``pallas_kernels.attention_tuning``), else ``attention_config.auto
 
 *Backends.* The kernel body (``pallas_kernels.attention_kernel``) is written against plain Pallas ref
 indexing; ``_triton_tiled_attention`` there builds the ``pallas_call`` with Triton ``CompilerParams``
-(selecting the Triton lowering explicitly on GPU) or runs it in interpret mode on CPU. Another backend (e.g. Mosaic GPU) only has to implement ``TiledAttentionFn`` and be
-registered in ``BACKENDS``; the tiling/merge wrapper is shared.
+(selecting the Triton lowering explicitly on GPU) or runs it in interpret mode on CPU. Another backend (e.g.
+Mosaic GPU) only has to implement ``TiledAttentionFn`` and be registered in ``BACKENDS``; the tiling/merge
+wrapper is shared.
 """
 from __future__ import annotations
 
