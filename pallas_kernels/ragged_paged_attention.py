@@ -32,32 +32,35 @@ tile's first query at ``pos_start`` sees no key below ``pos_start - W + 1``, so 
 step holding that key: blocks wholly outside the window are never read. Keys inside the walked steps but
 outside a row's window are masked.
 
-*Backends.* The kernel body is written against plain Pallas ref indexing; ``_triton_tiled_attention`` builds
-the ``pallas_call`` with Triton ``CompilerParams`` (selecting the Triton lowering explicitly on GPU) or runs it
-in interpret mode on CPU. Another backend (e.g. Mosaic GPU) only has to implement ``TiledAttentionFn`` and be
-registered in ``BACKENDS``; the tiling/merge wrapper is shared.
+*Configuration.* ``select_config`` picks the tunables at trace time: explicit arguments, else the per-card
+tuning table (``pallas_kernels.attention_tuning``), else ``attention_config.auto_config``.
+
+*Backends.* The kernel body (``pallas_kernels.attention_kernel``) is written against plain Pallas ref
+indexing; ``_triton_tiled_attention`` there builds the ``pallas_call`` with Triton ``CompilerParams``
+(selecting the Triton lowering explicitly on GPU) or runs it in interpret mode on CPU. Another backend (e.g.
+Mosaic GPU) only has to implement ``TiledAttentionFn`` and be registered in ``BACKENDS``; the tiling/merge
+wrapper is shared.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Optional, Protocol
+from typing import Optional
 
 import jax
-from jax import lax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
-try:  # Triton compiler params: jax 0.10.x and 0.11.x (deprecated there but working).
-  from jax.experimental.pallas import triton as _plgpu
-except ImportError:  # pragma: no cover - future JAX without the Triton backend.
-  _plgpu = None
+from pallas_kernels import attention_tuning
+from pallas_kernels.attention_config import KernelConfig, auto_config, is_pow2, validate
+from pallas_kernels.attention_kernel import (BACKENDS, TiledAttentionFn, _full_spec, _plgpu,  # noqa: F401
+                                             register_backend)
+from pallas_kernels.attention_tiles import TileMetadata, decode_tile_metadata, tile_metadata
 
-_LOG2E = math.log2(math.e)
-# Finite "minus infinity" for masked logits (as JAX's own GPU kernels): keeps exp2 / max NaN-free.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-_MIN_DOT_ROWS = 16  # Triton's tl.dot needs M, N, K >= 16.
+__all__ = ["KernelConfig", "TileMetadata", "TiledAttentionFn", "auto_config", "decode_tile_metadata",
+           "tile_metadata", "ragged_paged_attention", "paged_decode_attention", "select_config",
+           "register_backend", "BACKENDS"]
+
+_is_pow2 = is_pow2  # with _full_spec and _plgpu, used by pallas_kernels.grouped_matmul
 # Batches with at most max(S, this) token slots use the decode tiling (the model's token bucket floor is 8,
 # so a decode step of S < 8 sequences still has T = 8).
 _DECODE_TOKEN_FLOOR = 8
@@ -66,330 +69,6 @@ _DECODE_TOKEN_FLOOR = 8
 def default_interpret() -> bool:
   """Interpret mode unless a GPU is the default backend (Pallas compiles only there for this kernel)."""
   return jax.default_backend() != "gpu"
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Configuration.
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-  """Static tiling of one kernel launch.
-
-  Attributes:
-    tile_q: query tokens per tile (power of two); rows per program are ``tile_q * group_p``.
-    group_p: GQA group size padded to a power of two.
-    blocks_per_iter: KV cache blocks read per inner-loop step (power of two); keys per step are
-      ``blocks_per_iter * block_size``.
-    num_splits: split-K factor (1 = no split; > 1 writes partials merged in jnp).
-    num_warps / num_stages: Triton launch parameters (ignored in interpret mode).
-  """
-  tile_q: int
-  group_p: int
-  blocks_per_iter: int
-  num_splits: int = 1
-  num_warps: int = 4
-  num_stages: int = 2
-
-  @property
-  def rows(self) -> int:
-    return self.tile_q * self.group_p
-
-
-def _num_gpu_cores(default: int = 132) -> int:
-  try:
-    dev = jax.devices()[0]
-    return int(getattr(dev, "core_count", default) or default)
-  except Exception:  # pragma: no cover
-    return default
-
-
-def auto_config(*, num_tokens: int, num_seqs: int, max_blocks: int, num_q_heads: int, num_kv_heads: int,
-                block_size: int, decode: bool, interpret: bool, itemsize: int = 2,
-                tile_q: Optional[int] = None,
-                blocks_per_iter: Optional[int] = None, num_splits: Optional[int] = None,
-                num_warps: Optional[int] = None, num_stages: Optional[int] = None) -> KernelConfig:
-  """Picks a KernelConfig from static shapes; any explicit argument overrides the heuristic.
-
-  decode: the batch is (mostly) one query per sequence -> minimal rows (``tile_q * group_p = 16``); else
-    64-row tiles. Split-K (either mode, compiled only) when there are too few (tile, kv-head) programs to fill
-    the GPU (target 4 programs per SM), keeping >= 4 KV steps per split.
-  """
-  group_p = pl.next_power_of_2(num_q_heads // num_kv_heads)
-  if tile_q is None:
-    target_rows = _MIN_DOT_ROWS if decode else 64
-    tile_q = max(1, target_rows // group_p)
-    if not decode:  # no point in tiles longer than the whole (bucketed) token axis
-      tile_q = min(tile_q, pl.next_power_of_2(max(1, num_tokens)))
-    tile_q = max(tile_q, max(1, _MIN_DOT_ROWS // group_p))
-  if blocks_per_iter is None:
-    # 64 keys x D 128 x 2 B per K/V tile -> ~38 KB smem per program with 2 stages (sm_90, checked with
-    # pallas_kernels.triton_check); 4-byte dtypes take half the keys to keep occupancy.
-    keys_per_iter = 64 if itemsize <= 2 else 32
-    blocks_per_iter = max(1, keys_per_iter // block_size)
-    blocks_per_iter = min(blocks_per_iter, pl.next_power_of_2(max_blocks))
-    # Triton dot needs N >= 16 keys per step.
-    while blocks_per_iter * block_size < 16:
-      blocks_per_iter *= 2
-  num_tiles = _num_tiles(num_tokens, num_seqs, tile_q)
-  if num_splits is None:
-    if interpret:
-      num_splits = 1
-    else:
-      programs = num_tiles * num_kv_heads
-      target = 4 * _num_gpu_cores()
-      max_iters = -(-max_blocks // blocks_per_iter)
-      num_splits = 1
-      # Keep >= 4 KV steps per split so the merge stays cheap relative to the KV stream.
-      while programs * num_splits < target and num_splits * 2 * 4 <= max_iters and num_splits < 16:
-        num_splits *= 2
-  return KernelConfig(tile_q=int(tile_q), group_p=int(group_p), blocks_per_iter=int(blocks_per_iter),
-                      num_splits=int(num_splits), num_warps=int(num_warps or 4),
-                      num_stages=int(num_stages or 2))
-
-
-def _is_pow2(x: int) -> bool:
-  return x >= 1 and (x & (x - 1)) == 0
-
-
-def _validate(cfg: KernelConfig, *, head_dim: int, block_size: int, interpret: bool) -> None:
-  """Compiled (Triton) kernels need power-of-two tile shapes and dot dims >= 16; interpret mode does not."""
-  if cfg.tile_q < 1 or cfg.blocks_per_iter < 1 or cfg.num_splits < 1:
-    raise ValueError(f"bad kernel config {cfg}")
-  if interpret:
-    return
-  keys = cfg.blocks_per_iter * block_size
-  problems = [f"{name}={v} must be a power of two >= 16" for name, v in
-              (("rows (tile_q * group_p)", cfg.rows), ("keys per step (blocks_per_iter * block_size)", keys),
-               ("head_dim", head_dim)) if not (_is_pow2(v) and v >= 16)]
-  if problems:
-    raise ValueError("compiled ragged_paged_attention: " + "; ".join(problems))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Tile metadata (jnp, traced inside the wrapper).
-
-
-def _num_tiles(num_tokens: int, num_seqs: int, tile_q: int) -> int:
-  """Static upper bound on sum_s ceil(q_len_s / tile_q) given sum_s q_len_s <= T."""
-  return max(1, min(num_tokens, min(num_seqs, num_tokens) + num_tokens // tile_q))
-
-
-@dataclasses.dataclass(frozen=True)
-class TileMetadata:
-  """Per-tile int32 arrays, each [num_tiles].
-
-  seq: sequence of the tile (0 for inactive tiles). tok_start: flat index of the tile's first query token.
-  num_q: valid query tokens in the tile (0 = inactive). pos_start: position of the first query in its
-  sequence. The tile attends to keys ``0 .. pos_start + num_q - 1`` (causal per row).
-  """
-  seq: jax.Array
-  tok_start: jax.Array
-  num_q: jax.Array
-  pos_start: jax.Array
-
-
-jax.tree_util.register_dataclass(TileMetadata, data_fields=["seq", "tok_start", "num_q", "pos_start"],
-                                 meta_fields=[])
-
-
-def _searchsorted_right(sorted_arr: jax.Array, x: jax.Array) -> jax.Array:
-  """searchsorted(side="right") as one vectorised compare (jnp's default 'scan' is a while loop, which on
-  GPU costs a host round-trip per step)."""
-  return jnp.sum(sorted_arr[None, :] <= x[:, None], axis=1, dtype=jnp.int32)
-
-
-def decode_tile_metadata(context_lens: jax.Array):
-  """Metadata of a one-query-per-sequence batch (q[b] is sequence b's query): tile b = sequence b."""
-  ctx = context_lens.astype(jnp.int32)
-  b = jnp.arange(ctx.shape[0], dtype=jnp.int32)
-  nq = (ctx > 0).astype(jnp.int32)
-  meta = TileMetadata(seq=b, tok_start=b, num_q=nq, pos_start=jnp.maximum(ctx - 1, 0))
-  return meta, b, jnp.zeros_like(b), jnp.ones(b.shape, bool)
-
-
-def tile_metadata(query_start_loc: jax.Array, context_lens: jax.Array, num_tokens: int, tile_q: int):
-  """Cuts each sequence's query range into tiles of ``tile_q`` tokens.
-
-  Returns (TileMetadata, token_tile [T], token_row [T], token_valid [T]) where token_tile/token_row say which
-  tile holds flat token t and at which tile-local query index (row block), and token_valid is False for
-  padding tokens (at or past query_start_loc[S]).
-  """
-  qsl = query_start_loc.astype(jnp.int32)
-  ctx = context_lens.astype(jnp.int32)
-  num_seqs = ctx.shape[0]
-  num_tiles = _num_tiles(num_tokens, num_seqs, tile_q)
-  q_len = jnp.maximum(qsl[1:] - qsl[:-1], 0)
-  tiles_per_seq = (q_len + tile_q - 1) // tile_q
-  tile_end = jnp.cumsum(tiles_per_seq).astype(jnp.int32)      # [S]
-  tile_begin = tile_end - tiles_per_seq
-  i = jnp.arange(num_tiles, dtype=jnp.int32)
-  seq = jnp.minimum(_searchsorted_right(tile_end, i), num_seqs - 1)
-  active = i < tile_end[-1]
-  local = (i - tile_begin[seq]) * tile_q
-  tok_start = qsl[seq] + local
-  num_q = jnp.clip(qsl[seq + 1] - tok_start, 0, tile_q)
-  num_q = jnp.where(active, num_q, 0)
-  pos_start = ctx[seq] - q_len[seq] + local
-  meta = TileMetadata(seq=jnp.where(active, seq, 0), tok_start=jnp.where(active, tok_start, 0),
-                      num_q=num_q.astype(jnp.int32), pos_start=jnp.where(active, pos_start, 0))
-  t = jnp.arange(num_tokens, dtype=jnp.int32)
-  tok_seq = _searchsorted_right(qsl[1:], t)
-  tok_valid = tok_seq < num_seqs
-  tok_seq = jnp.minimum(tok_seq, num_seqs - 1)
-  tok_local = t - qsl[tok_seq]
-  token_tile = jnp.where(tok_valid, tile_begin[tok_seq] + tok_local // tile_q, 0)
-  token_row = jnp.where(tok_valid, tok_local % tile_q, 0)
-  return meta, token_tile.astype(jnp.int32), token_row.astype(jnp.int32), tok_valid
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Kernel.
-
-
-def _attention_kernel(layer_ref, window_ref, block_tables_ref, t_seq_ref, t_tok_ref, t_nq_ref, t_pos_ref,
-                      q_ref, kv_ref,                                                          # tensors
-                      *out_refs, cfg: KernelConfig, block_size: int, scale_log2: float, precision,
-                      windowed: bool):
-  """One (query tile, kv head, split) program.
-
-  Refs: layer_ref [1]; window_ref [1] (read only when ``windowed``; <= 0 = full attention);
-  block_tables_ref [S, MBp]; t_*_ref [NT]; q_ref [Hkv, (T + tile_q) * Gp, D] (rows of a
-  tile are contiguous); kv_ref [NB, L, 2, BS, Hkv, D]. Outputs: o_ref [M, D] (normalised, q dtype) when
-  num_splits == 1, else (o_ref [M, D] f32, m_ref [M] f32 (log2 domain), l_ref [M] f32).
-  """
-  i = pl.program_id(0)
-  h = pl.program_id(1)
-  split = pl.program_id(2)
-  rows = cfg.rows
-  bpi = cfg.blocks_per_iter
-  keys_per_iter = bpi * block_size
-  head_dim = q_ref.shape[-1]
-
-  seq = t_seq_ref[i]
-  tok = t_tok_ref[i]
-  nq = t_nq_ref[i]
-  pos0 = t_pos_ref[i]
-  layer = layer_ref[0]
-
-  kv_len = jnp.where(nq > 0, pos0 + nq, 0)                       # keys this tile may see
-  n_iter = (kv_len + keys_per_iter - 1) // keys_per_iter
-  first_iter = 0
-  if windowed:   # skip the steps wholly below the first query's window
-    window = window_ref[0]
-    first_key = jnp.where(window > 0, jnp.maximum(pos0 - window + 1, 0), 0)
-    first_iter = jnp.minimum(first_key // keys_per_iter, n_iter)
-  per_split = (n_iter - first_iter + cfg.num_splits - 1) // cfg.num_splits
-  start = first_iter + split * per_split
-  end = jnp.minimum(start + per_split, n_iter)
-
-  q = q_ref[h, pl.ds(tok * cfg.group_p, rows), :]                # [M, D]
-  row_pos = pos0 + lax.div(jnp.arange(rows, dtype=jnp.int32), jnp.int32(cfg.group_p))  # [M]
-  key_iota = jnp.arange(keys_per_iter, dtype=jnp.int32)
-
-  def body(j, carry):
-    o, m, l = carry
-    ids = block_tables_ref[seq, pl.ds(j * bpi, bpi)]              # [bpi] block ids
-    k = kv_ref[ids, layer, 0, :, h, :].reshape(keys_per_iter, head_dim)
-    v = kv_ref[ids, layer, 1, :, h, :].reshape(keys_per_iter, head_dim)
-    if k.dtype != q.dtype:  # e.g. f32 queries over a bf16 cache: compute in q's dtype
-      k, v = k.astype(q.dtype), v.astype(q.dtype)
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                        preferred_element_type=jnp.float32) * scale_log2   # [M, K]
-    key_pos = j * keys_per_iter + key_iota
-    mask = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < kv_len)
-    if windowed:
-      mask &= (window <= 0) | (key_pos[None, :] > row_pos[:, None] - window)
-    s = jnp.where(mask, s, _MASK_VALUE)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
-    l = l * alpha + jnp.sum(p, axis=1)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                         preferred_element_type=jnp.float32)
-    o = o * alpha[:, None] + pv
-    return o, m_new, l
-
-  o0 = jnp.zeros((rows, head_dim), jnp.float32)
-  m0 = jnp.full((rows,), _MASK_VALUE, jnp.float32)
-  l0 = jnp.zeros((rows,), jnp.float32)
-  o, m, l = lax.fori_loop(start, end, body, (o0, m0, l0))
-
-  if cfg.num_splits == 1:
-    (o_ref,) = out_refs
-    inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
-    o_ref[...] = (o * inv[:, None]).astype(o_ref.dtype)
-  else:
-    o_ref, m_ref, l_ref = out_refs
-    o_ref[...] = o
-    m_ref[...] = m
-    l_ref[...] = l
-
-
-class TiledAttentionFn(Protocol):
-  """Backend contract: runs the tiled kernel, returns (o, m, l).
-
-  Args: q_rows [Hkv, (T + tile_q) * Gp, D]; kv_cache [NB, L, 2, BS, Hkv, D]; layer [1] int32;
-  window None (full attention) or [1] int32 (sliding window, <= 0 = full); block_tables [S, MBp] int32
-  (MBp a multiple of blocks_per_iter); tiles (TileMetadata, [NT] each).
-  Returns with num_splits == 1: (o [1, NT, Hkv, M, D] in q dtype, normalised; None; None); else
-  (o [P, NT, Hkv, M, D] f32 un-normalised, m [P, NT, Hkv, M] f32 running max in log2 units, l [P, NT, Hkv, M]).
-  """
-
-  def __call__(self, q_rows, kv_cache, layer, block_tables, tiles: TileMetadata, *, cfg: KernelConfig,
-               scale: float, interpret: bool, window=None): ...
-
-
-def _full_spec(shape):
-  return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
-
-
-def _triton_tiled_attention(q_rows, kv_cache, layer, block_tables, tiles: TileMetadata, *,
-                            cfg: KernelConfig, scale: float, interpret: bool, window=None):
-  """Pallas + Triton backend (interpret mode on CPU)."""
-  num_kv_heads = kv_cache.shape[4]
-  head_dim = kv_cache.shape[5]
-  block_size = kv_cache.shape[3]
-  num_tiles = tiles.seq.shape[0]
-  rows = cfg.rows
-  splits = cfg.num_splits
-  precision = lax.Precision.HIGHEST if q_rows.dtype == jnp.float32 else None
-  windowed = window is not None
-  kernel = functools.partial(_attention_kernel, cfg=cfg, block_size=block_size,
-                             scale_log2=float(scale) * _LOG2E, precision=precision, windowed=windowed)
-  grid = (num_tiles, num_kv_heads, splits)
-  window_arr = window if windowed else jnp.zeros((1,), jnp.int32)
-  scalar_inputs = (layer, window_arr, block_tables, tiles.seq, tiles.tok_start, tiles.num_q, tiles.pos_start)
-  in_specs = [_full_spec(x.shape) for x in scalar_inputs] + [_full_spec(q_rows.shape),
-                                                             _full_spec(kv_cache.shape)]
-  if splits == 1:
-    out_shape = [jax.ShapeDtypeStruct((1, num_tiles, num_kv_heads, rows, head_dim), q_rows.dtype)]
-    out_specs = [pl.BlockSpec((None, None, None, rows, head_dim), lambda i, h, s: (s, i, h, 0, 0))]
-  else:
-    out_shape = [jax.ShapeDtypeStruct((splits, num_tiles, num_kv_heads, rows, head_dim), jnp.float32),
-                 jax.ShapeDtypeStruct((splits, num_tiles, num_kv_heads, rows), jnp.float32),
-                 jax.ShapeDtypeStruct((splits, num_tiles, num_kv_heads, rows), jnp.float32)]
-    out_specs = [pl.BlockSpec((None, None, None, rows, head_dim), lambda i, h, s: (s, i, h, 0, 0)),
-                 pl.BlockSpec((None, None, None, rows), lambda i, h, s: (s, i, h, 0)),
-                 pl.BlockSpec((None, None, None, rows), lambda i, h, s: (s, i, h, 0))]
-  kwargs = {}
-  if not interpret and _plgpu is not None:
-    kwargs["compiler_params"] = _plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-  outs = pl.pallas_call(
-      kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      interpret=interpret, name=f"ragged_paged_attention_q{cfg.tile_q}_g{cfg.group_p}_p{splits}",
-      **kwargs)(*scalar_inputs, q_rows, kv_cache)
-  if splits == 1:
-    return outs[0], None, None
-  return tuple(outs)
-
-
-BACKENDS: dict[str, TiledAttentionFn] = {"triton": _triton_tiled_attention}
-
-
-def register_backend(name: str, fn: TiledAttentionFn) -> None:
-  """Registers an alternative kernel backend (e.g. Mosaic GPU) under ``name``."""
-  BACKENDS[name] = fn
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -415,6 +94,42 @@ def _merge_splits(o, m, l):
   return o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
 
 
+def _device_kind() -> str:
+  try:
+    dev = jax.devices()[0]
+    return str(getattr(dev, "device_kind", dev.platform))
+  except Exception:  # pragma: no cover - no backend at all
+    return "unknown"
+
+
+def select_config(*, num_tokens: int, num_seqs: int, max_blocks: int, num_q_heads: int, num_kv_heads: int,
+                  head_dim: int, block_size: int, kv_dtype, decode: bool, interpret: bool,
+                  overrides: Optional[dict] = None, device_kind: Optional[str] = None,
+                  table_path: Optional[str] = None):
+  """The launch's KernelConfig and the ``TuningChoice`` behind it (all static; runs at trace time).
+
+  Precedence: explicit ``overrides`` (non-None values) > the tuning-table entry for (card, heads, dtype,
+  block size, decode|mixed, context / batch bucket) > ``auto_config``. device_kind: the card to look up
+  (default: the default device's ``device_kind``; on CPU that is "cpu", which only a test table holds).
+  table_path: default ``attention_tuning.table_path()``. Raises ValueError for a config the compiled kernel
+  cannot run.
+  """
+  explicit = {k: v for k, v in (overrides or {}).items() if v is not None}
+  key = attention_tuning.make_key(
+      device_kind=device_kind if device_kind is not None else _device_kind(), num_q_heads=num_q_heads,
+      num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=jnp.dtype(kv_dtype).name, block_size=block_size,
+      decode=decode, max_blocks=max_blocks, num_seqs=num_seqs)
+  choice = attention_tuning.select(key, table_path)
+  merged = attention_tuning.merge_overrides(choice.config, explicit)
+  if explicit:
+    choice = dataclasses.replace(choice, reason=f"{choice.reason}; explicit {sorted(explicit)}")
+  cfg = auto_config(num_tokens=num_tokens, num_seqs=num_seqs, max_blocks=max_blocks, num_q_heads=num_q_heads,
+                    num_kv_heads=num_kv_heads, block_size=block_size, decode=decode, interpret=interpret,
+                    itemsize=jnp.dtype(kv_dtype).itemsize, **merged)
+  validate(cfg, head_dim=head_dim, block_size=block_size, interpret=interpret)
+  return cfg, choice
+
+
 def ragged_paged_attention(q, kv_cache, layer, block_tables, context_lens, query_start_loc, *,
                            scale: float, window=None, interpret: Optional[bool] = None,
                            decode: Optional[bool] = None,
@@ -434,8 +149,8 @@ def ragged_paged_attention(q, kv_cache, layer, block_tables, context_lens, query
     interpret: None -> interpret mode unless running on GPU.
     decode: tiling hint; None -> ``T <= max(S, 8)`` (a decode-sized batch). Only speed depends on it, never
       results.
-    backend: key of BACKENDS. tile_q / blocks_per_iter / num_splits / num_warps / num_stages: overrides of
-      ``auto_config``.
+    backend: key of BACKENDS. tile_q / blocks_per_iter / num_splits / num_warps / num_stages: explicit
+      tunables; they win over the tuning table and ``auto_config`` (see ``select_config``).
 
   Returns:
     [T, Hq, D] in q's dtype; padding tokens are 0.
@@ -451,12 +166,11 @@ def ragged_paged_attention(q, kv_cache, layer, block_tables, context_lens, query
     interpret = default_interpret()
   if decode is None:
     decode = num_tokens <= max(num_seqs, _DECODE_TOKEN_FLOOR)
-  cfg = auto_config(num_tokens=num_tokens, num_seqs=num_seqs, max_blocks=max_blocks,
-                    num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, block_size=block_size,
-                    decode=decode, interpret=interpret, itemsize=jnp.dtype(kv_cache.dtype).itemsize,
-                    tile_q=tile_q, blocks_per_iter=blocks_per_iter,
-                    num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
-  _validate(cfg, head_dim=head_dim, block_size=block_size, interpret=interpret)
+  cfg, _ = select_config(num_tokens=num_tokens, num_seqs=num_seqs, max_blocks=max_blocks,
+                         num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         block_size=block_size, kv_dtype=kv_cache.dtype, decode=decode, interpret=interpret,
+                         overrides=dict(tile_q=tile_q, blocks_per_iter=blocks_per_iter, num_splits=num_splits,
+                                        num_warps=num_warps, num_stages=num_stages))
   return _ragged_paged_attention_impl(q, kv_cache, layer, block_tables, context_lens, query_start_loc,
                                       window, scale=float(scale), interpret=bool(interpret), cfg=cfg,
                                       backend=backend)
@@ -515,10 +229,13 @@ def paged_decode_attention(q, kv_cache, layer, block_tables, context_lens, *, sc
   if interpret is None:
     interpret = default_interpret()
   backend = kwargs.pop("backend", "triton")
-  cfg = auto_config(num_tokens=num_seqs, num_seqs=num_seqs, max_blocks=block_tables.shape[1],
-                    num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, block_size=block_size, decode=True,
-                    interpret=interpret, itemsize=jnp.dtype(kv_cache.dtype).itemsize, **kwargs)
-  _validate(cfg, head_dim=kv_cache.shape[5], block_size=block_size, interpret=interpret)
+  unknown = set(kwargs) - set(attention_tuning.TUNABLES)
+  if unknown:
+    raise TypeError(f"paged_decode_attention: unknown arguments {sorted(unknown)}")
+  cfg, _ = select_config(num_tokens=num_seqs, num_seqs=num_seqs, max_blocks=block_tables.shape[1],
+                         num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=kv_cache.shape[5],
+                         block_size=block_size, kv_dtype=kv_cache.dtype, decode=True, interpret=interpret,
+                         overrides=kwargs)
   return _ragged_paged_attention_impl(q, kv_cache, layer, block_tables, context_lens, None, window,
                                       scale=float(scale), interpret=bool(interpret), cfg=cfg, backend=backend,
                                       one_query_per_seq=True)

@@ -65,9 +65,8 @@ def ragged_paged_attention_reference(q, kv_cache, layer, block_tables, context_l
   seq_idx, pos, valid = token_metadata(query_start_loc, context_lens, T)
   # Each token gathers its sequence's K and V blocks of this layer as whole rows of the cache seen as
   # [NB * L * 2, BS * Hkv * D] (a free reshape: one (block, layer, k|v) slab is contiguous). XLA CPU copies
-  # such a row gather at memory speed; indexing the 6-D cache as kv_cache[block_tables, layer] and then
-  # k[seq_idx] emitted an element-wise gather 3.5x slower (SmolLM2 engine decode 4-5% slower at batch 1 / 16 / 64;
-  # WORKSPACE_NOTES, 2026-12-02 06:00-08:00). Block ids are in range by contract: mode="clip" (no fill).
+  # such a row gather at memory speed, where indexing the 6-D cache as kv_cache[block_tables, layer] and then
+  # k[seq_idx] lowers to an element-wise gather. Block ids are in range by contract: mode="clip" (no fill).
   NB, L = kv_cache.shape[0], kv_cache.shape[1]
   rows = kv_cache.reshape(NB * L * 2, BS * Hkv * D)
   k_rows = (block_tables[seq_idx] * L + layer) * 2          # [T, MB] row of (block, layer, K)

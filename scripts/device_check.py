@@ -7,7 +7,9 @@
 Stages, each a subprocess with its own time limit (a stage that fails or times out is recorded with its return
 code and log tail, and the rest still run):
   1. ``gpu_tests``: ``pytest -m gpu`` (the GPU-marked tests); passed / failed counts and failing test ids.
-  2. ``attention``: ``scripts/bench_attention.py`` (Pallas vs jnp reference vs JAX's paged attention).
+  2. ``attention``: ``scripts/bench_attention.py --tune`` (a bounded sweep of the Pallas kernel's tunables for
+     the decode and mixed shapes, written into ``<out>/ragged_paged_attention.json``), then the bench with that
+     table: Pallas vs jnp reference vs JAX's paged attention, GB/s, % of HBM peak, traffic analysis.
   3. ``transfer``: ``scripts/bench_transfer.py --json`` (DuplexKV modes vs torch pinned copies).
   4. ``engine``: ``scripts/bench_engine.py --random_weights`` on Llama-3-8B's shape in bf16 at batch 1 / 32 / 64,
      the zero-bubble engine and transformers side by side: per batch decode tok/s, ms/step, dispatch ms and
@@ -19,6 +21,7 @@ The JSON (``device_check.json`` under ``--out``) has the same keys in both modes
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -32,6 +35,8 @@ flags.DEFINE_string("out", "out", "directory for device_check.json, the profile 
 flags.DEFINE_bool("dry_run", False, "CPU: the tiny model and small shapes through the same stages")
 flags.DEFINE_list("stages", ["gpu_tests", "attention", "transfer", "engine", "calibration"], "stages to run")
 FLAGS = flags.FLAGS
+# Wall-clock budget of the attention stage's --tune sweep (the bench after it adds about a stage timeout).
+ATTENTION_TUNE_BUDGET_S = 120
 
 # Memory bandwidth by card name (bytes/s): the weight-stream bound of a decode step.
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "GH200": 4.0e12}
@@ -41,7 +46,8 @@ def _settings(dry: bool) -> dict:
   """Per-stage arguments: the real check, or its tiny CPU twin."""
   if dry:
     return dict(model="tiny-llama", dtype="float32", batches="1,2", prompt_len=8, max_tokens=6, blocks=64,
-                attention=["--batch_sizes=2", "--context_lens=32", "--min_time_s=0", "--max_iters=1", "--notune"],
+                attention=["--batch_sizes=2", "--context_lens=32", "--min_time_s=0", "--max_iters=1", "--tune",
+                           "--dry_run", "--tune_budget_s=60"],
                 transfer=["--models=smollm2-135m", "--kv_blocks=2", "--reps=1", "--max_segment_mb=0.25",
                           "--total_mb=1", "--modes=merged,duplex", "--kv_layouts=block_first"],
                 calibrate=["--decode_batches=1", "--decode_contexts=16", "--prefill_chunks=16",
@@ -50,7 +56,8 @@ def _settings(dry: bool) -> dict:
                            "--token_bucket_floor=8", "--seq_bucket_floor=2"],
                 pytest=["-k", "lowering"], timeout=300)
   return dict(model="llama-3-8b", dtype="bfloat16", batches="1,32,64", prompt_len=256, max_tokens=32, blocks=8192,
-              attention=["--context_lens=2048,8192"], transfer=["--max_segment_mb=64", "--time_budget_s=60"],
+              attention=["--context_lens=2048,8192", "--tune", f"--tune_budget_s={ATTENTION_TUNE_BUDGET_S}",
+                         "--min_time_s=0.1"], transfer=["--max_segment_mb=64", "--time_budget_s=60"],
               calibrate=["--model=llama-3-8b", "--dtype=bfloat16"], pytest=[], timeout=150)
 
 
@@ -88,11 +95,19 @@ def stage_gpu_tests(s, env) -> dict:
 
 
 def stage_attention(s, env) -> dict:
+  """Tunes the attention kernel for the issue's shapes within ``ATTENTION_TUNE_BUDGET_S`` (into a copy of the
+  repository's table under ``--out``, so the tuned table comes back with the results), then benches with it."""
+  from pallas_kernels import attention_tuning  # pylint: disable=import-outside-toplevel
   path = os.path.join(FLAGS.out, "bench_attention.json")
-  r = _run("attention", [sys.executable, "scripts/bench_attention.py", f"--json_out={path}"] + s["attention"],
-           1.6 * s["timeout"], env)
+  table = os.path.join(FLAGS.out, "ragged_paged_attention.json")
+  if os.path.exists(attention_tuning.DEFAULT_TABLE_PATH):
+    shutil.copyfile(attention_tuning.DEFAULT_TABLE_PATH, table)
+  r = _run("attention", [sys.executable, "scripts/bench_attention.py", f"--json_out={path}",
+                         f"--tune_table={table}"] + s["attention"],
+           ATTENTION_TUNE_BUDGET_S + 1.2 * s["timeout"], env)
   data = json.load(open(path, encoding="utf-8")) if os.path.exists(path) else {}
-  return {"rc": r["rc"], "results": data.get("results", [])}
+  return {"rc": r["rc"], "results": data.get("results", []), "tune_written": data.get("tune_written", []),
+          "tune_table": table, "jax_paged_available": data.get("jax_paged_available")}
 
 
 def stage_transfer(s, env) -> dict:

@@ -19,6 +19,10 @@ def test_device_check_dry_run_writes_every_stage(tmp_path):
     assert d[stage]["rc"] == 0, (stage, (tmp_path / f"{stage}.log").read_text()[-2000:])
   assert d["gpu_tests"]["passed"] > 0 and d["gpu_tests"]["failed"] == 0
   assert {r["impl"] for r in d["attention"]["results"]} >= {"pallas", "reference"}
+  assert {w["key"]["mode"] for w in d["attention"]["tune_written"]} == {"decode", "mixed"}   # --tune ran
+  tuned = json.loads(open(d["attention"]["tune_table"], encoding="utf-8").read())["entries"]
+  assert {e["key"]["card"] for e in tuned} >= {"cpu"}
+  assert all(r["tuning"]["reason"] == "exact" for r in d["attention"]["results"] if r["impl"] == "pallas")
   assert {r["mode"] for r in d["transfer"]["results"]} >= {"merged", "duplex"}
   for b in ("1", "2"):
     row = d["engine"]["by_batch"][b]
