@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Callable, Iterator
+import weakref
+from typing import Any, Callable, Iterable, Iterator
 
 
 def knob(default: Any, help: str, *, choices: tuple | Callable[[], tuple] | None = None,  # noqa: A002
@@ -142,15 +143,50 @@ def as_flat_dict(cfg) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ absl
-def define_flags(cls, flag_values=None) -> None:
-  """Defines one absl flag per setting of the tree rooted at ``cls`` (idempotent per ``FlagValues``)."""
+_OWNERS: "weakref.WeakKeyDictionary[Any, dict[str, str]]" = weakref.WeakKeyDictionary()
+
+
+def owner_of(leaf: Leaf, cls) -> str:
+  """The dataclass that declares ``leaf``, as ``module.QualName`` (``cls`` is the tree's root)."""
+  owner = cls
+  for p in leaf.path[:-1]:
+    owner = typing.get_type_hints(owner)[p]
+  return f"{owner.__module__}.{owner.__qualname__}"
+
+
+def define_flags(cls, flag_values=None, shared: Iterable[str] = ()) -> None:
+  """Defines one absl flag per setting of the tree rooted at ``cls`` on ``flag_values`` (default ``FLAGS``).
+
+  Each setting has exactly one definition. A flag name that ``flag_values`` already holds raises
+  ``flags.DuplicateFlagError`` naming the flag, the dataclass that declares the new setting and the existing
+  definition's owner (its dataclass when ``define_flags`` defined it, else the module that did), unless that
+  existing flag *is* this same setting (same field of the same dataclass): defining one tree twice on the same
+  ``FlagValues``, or two trees that share a subtree class (``SimConfig`` and ``EngineConfig``), is a no-op for
+  the shared settings. ``shared`` names settings this tree reads from a flag another tree already defined on
+  ``flag_values`` (``scripts/simulate.py``: ``SimConfig.hardware`` is also the results' ``SweepSpec.hardware``
+  label); a name in ``shared`` that is not defined yet raises ``KeyError``. Never modifies a flag that is
+  already defined.
+  """
   from absl import flags  # pylint: disable=import-outside-toplevel
   fv = flags.FLAGS if flag_values is None else flag_values
   index = flat_index(cls)
+  owners = _OWNERS.setdefault(fv, {})
+  shared = set(shared)
+  missing = sorted(n for n in shared if n not in fv)
+  if missing:
+    raise KeyError(f"{cls.__name__}: shared flag(s) {', '.join(missing)} not defined yet")
   for leaf in index.values():
     name = leaf.flag_name
-    if name in fv:
+    if name in shared:
       continue
+    owner = f"{owner_of(leaf, cls)}.{leaf.field.name}"
+    if name in fv:
+      if owners.get(name) == owner:
+        continue
+      theirs = owners.get(name) or f"a flag defined in {fv.find_module_defining_flag(name, 'an unknown module')}"
+      raise flags.DuplicateFlagError(
+          f"flag --{name} is defined twice: by setting {owner} and by {theirs}; each setting has one owner")
+    owners[name] = owner
     f = leaf.field
     base, optional = base_type(leaf.type)
     default = f.default
