@@ -24,9 +24,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from absl import app, flags  # noqa: E402
 
+from superinfer_jax import configtree  # noqa: E402
+from superinfer_jax.sweep import SweepSpec  # noqa: E402
 from superinfer_jax.engine.config import define_engine_flags, engine_config_from_flags  # noqa: E402
 
-flags.DEFINE_string("model", "smollm2-135m", "model the engine loads: built-in name, HF dir, .gguf")
+configtree.define_flags(SweepSpec, only={"model"})   # --model: the model the engine loads
 flags.DEFINE_string("output", "configs/hardware/cpu.json", "where the profile JSON goes")
 flags.DEFINE_string("name", "cpu", "the profile's name (the results' hardware label)")
 # A 4 x 3 decode grid + 4 prefill sizes (16 points): a coarser grid fits the large-batch long-context decode

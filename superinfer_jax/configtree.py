@@ -154,7 +154,7 @@ def owner_of(leaf: Leaf, cls) -> str:
   return f"{owner.__module__}.{owner.__qualname__}"
 
 
-def define_flags(cls, flag_values=None, shared: Iterable[str] = ()) -> None:
+def define_flags(cls, flag_values=None, shared: Iterable[str] = (), only: Iterable[str] | None = None) -> None:
   """Defines one absl flag per setting of the tree rooted at ``cls`` on ``flag_values`` (default ``FLAGS``).
 
   Each setting has exactly one definition. A flag name that ``flag_values`` already holds raises
@@ -164,22 +164,30 @@ def define_flags(cls, flag_values=None, shared: Iterable[str] = ()) -> None:
   ``FlagValues``, or two trees that share a subtree class (``SimConfig`` and ``EngineConfig``), is a no-op for
   the shared settings. ``shared`` names settings this tree reads from a flag another tree already defined on
   ``flag_values`` (``scripts/simulate.py``: ``SimConfig.hardware`` is also the results' ``SweepSpec.hardware``
-  label); a name in ``shared`` that is not defined yet raises ``KeyError``. Never modifies a flag that is
-  already defined.
+  label); a name in ``shared`` that is not defined yet raises ``KeyError``. ``only`` (flag names) defines just
+  those settings of the tree, for a script that reads a few of them (``--model`` of ``SweepSpec``); an unknown
+  name raises ``KeyError``. Each flag is registered under its owner (``module.Class``), so ``--helpfull`` lists
+  the settings grouped by the dataclass that declares them. Never modifies a flag that is already defined.
   """
   from absl import flags  # pylint: disable=import-outside-toplevel
   fv = flags.FLAGS if flag_values is None else flag_values
   index = flat_index(cls)
   owners = _OWNERS.setdefault(fv, {})
   shared = set(shared)
+  if only is not None:
+    only = set(only)
+    unknown = sorted(only - {leaf.flag_name for leaf in index.values()})
+    if unknown:
+      raise KeyError(f"{cls.__name__}: no setting(s) {', '.join(unknown)}")
   missing = sorted(n for n in shared if n not in fv)
   if missing:
     raise KeyError(f"{cls.__name__}: shared flag(s) {', '.join(missing)} not defined yet")
   for leaf in index.values():
     name = leaf.flag_name
-    if name in shared:
+    if name in shared or (only is not None and name not in only):
       continue
-    owner = f"{owner_of(leaf, cls)}.{leaf.field.name}"
+    owner_class = owner_of(leaf, cls)
+    owner = f"{owner_class}.{leaf.field.name}"
     if name in fv:
       if owners.get(name) == owner:
         continue
@@ -196,7 +204,7 @@ def define_flags(cls, flag_values=None, shared: Iterable[str] = ()) -> None:
     if optional and "none_as" in f.metadata:
       help_text += f" ({f.metadata['none_as']!r}: unset)"
     c = choices_of(f)
-    kw = dict(flag_values=fv)
+    kw = dict(flag_values=fv, module_name=owner_class)
     if c is not None:
       flags.DEFINE_enum(name, default, list(c), help_text, **kw)
     elif base is bool:

@@ -65,3 +65,14 @@ def test_shared_names_read_the_existing_flag_and_must_exist():
   configtree.define_flags(TreeB, fv, shared={"seed"})
   fv(["prog", "--seed=5"])
   assert configtree.from_flags(TreeB, fv).seed == 5
+
+
+def test_only_defines_a_subset_registered_under_its_owner():
+  fv = flags.FlagValues()
+  with pytest.raises(KeyError, match="nope"):
+    configtree.define_flags(TreeA, fv, only={"nope"})
+  configtree.define_flags(TreeA, fv, only={"alpha"})
+  assert "alpha" in fv and "seed" not in fv
+  assert fv.find_module_defining_flag("alpha") == f"{__name__}.Inner"
+  configtree.define_flags(TreeA, fv)   # the rest of the tree joins; alpha is the same setting
+  assert fv.find_module_defining_flag("seed") == f"{__name__}.TreeA"
