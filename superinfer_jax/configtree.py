@@ -3,7 +3,8 @@
 Every setting is declared once, as a dataclass field made with ``knob(default, help, ...)``: its name is the
 flag's name, its default the flag's default, its help the flag's help. A field whose type is itself a config
 dataclass is a subtree (``EngineConfig.scheduler``, ``.rotation``, ``.model``); flags are flat (no prefix), so
-names must be unique across the tree (checked when flags are defined).
+names must be unique across the tree (checked when flags are defined), and ``define_flags`` raises when a
+flag name is already defined on the ``FlagValues`` by anything but the same setting.
 
 Metadata a ``knob`` may carry:
   * ``choices``: a tuple, or a callable returning one (so the owning package's registry is read lazily):
