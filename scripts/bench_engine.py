@@ -44,11 +44,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from superinfer_jax import configtree  # noqa: E402
+from superinfer_jax.sweep import SweepSpec  # noqa: E402
 from superinfer_jax.engine.config import define_engine_flags, engine_config_from_flags  # noqa: E402
 from superinfer_jax.model.attention import resolved_attention_name  # noqa: E402
 from superinfer_jax.util import freeze_heap, machine_description  # noqa: E402
 
-flags.DEFINE_string("model", "smollm2-135m", "built-in name, .gguf path or HF model directory")
+configtree.define_flags(SweepSpec, only={"model"})   # --model: the model the engine loads
 flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "batch sizes")
 flags.DEFINE_integer("prompt_len", 32, "prompt tokens per request")
 flags.DEFINE_integer("max_tokens", 64, "new tokens per request")

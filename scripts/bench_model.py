@@ -16,12 +16,16 @@ import time
 from absl import app, flags
 import numpy as np
 
-_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Built-in name or .gguf path (transformers loads the GGUF).")
+from superinfer_jax import configtree
+from superinfer_jax.engine.config import EngineConfig
+from superinfer_jax.sweep import SweepSpec
+
+configtree.define_flags(SweepSpec, only={"model"})   # a built-in name or a .gguf path (transformers loads it)
+configtree.define_flags(EngineConfig, only={"block_size"})
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "16"], "Decode batch sizes.")
 _CONTEXT = flags.DEFINE_integer("context", 128, "Prompt tokens per sequence before decoding.")
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed decode steps.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed decode steps (compilation, caches).")
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "KV block size.")
 _ATTENTION = flags.DEFINE_string("attention", "reference", "Attention backend.")
 _SKIP_TORCH = flags.DEFINE_bool("skip_torch", False, "Time only the JAX forward.")
 
@@ -85,18 +89,18 @@ def main(argv):
   import jax
   from superinfer_jax.model import load_model
   from superinfer_jax.model.api import resolve_model_path
-  cfg, params = load_model(_MODEL.value, "float32")
+  cfg, params = load_model(flags.FLAGS.model, "float32")
   model = None
   if not _SKIP_TORCH.value:
     import torch
     from transformers import AutoModelForCausalLM
-    d, name = os.path.split(resolve_model_path(_MODEL.value))
+    d, name = os.path.split(resolve_model_path(flags.FLAGS.model))
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
   info = {"jax": jax.__version__, "backend": jax.default_backend(), "model": cfg.name,
           "context": _CONTEXT.value, "steps": _STEPS.value}
   n = _WARMUP.value + _STEPS.value
   for b in (int(x) for x in _BATCH_SIZES.value):
-    jd = JaxDecoder(cfg, params, b, _CONTEXT.value, n, _BLOCK_SIZE.value, _ATTENTION.value)
+    jd = JaxDecoder(cfg, params, b, _CONTEXT.value, n, flags.FLAGS.block_size, _ATTENTION.value)
     td = None if model is None else TorchDecoder(model, cfg.vocab_size, b, _CONTEXT.value)
     jt, tt = [], []
     for _ in range(n):  # interleaved, so both see the same machine load

@@ -5,10 +5,8 @@ Setup: block size 16, a device pool sized for ``--device_blocks`` blocks, a host
 knobs (B_xfer = 2400, max_num_batched_tokens 8192, max_num_seqs 256). N requests (prompt 32..1024,
 output 32..512 tokens) arrive over the first second of a virtual clock; the loop warms up for
 ``--warmup`` steps, then runs ``--steps`` more and times their calls to ``schedule()`` (only that call;
-completing the step is not timed, nor is freeing the previous step's plan (until 2026-12-01 night it was:
-the plan was released when the next call's result was stored, inside the timer: +0.046 ms per step for
-rotasched, +0.032 ms for fcfs, so the ratio read ~4% low); nor are the first ``--rewarm`` steps of each
-chunk, below). Finished
+completing the step is not timed, nor is freeing the previous step's plan (it is released outside the
+timer); nor are the first ``--rewarm`` steps of each chunk, below). Finished
 requests are replaced so N stays constant. The workload is ``sched.replay.Replay`` (the ``bench_1k`` replay
 scenario at the defaults).
 
@@ -17,32 +15,28 @@ scenario at the defaults).
 prints one JSON line per policy and run, ``{"policy", "num_requests", "mean_ms", "p99_ms", ...,
 "plan_hash"}``, then a summary line ``{"policy", "baseline", "p99_ratio", "mean_ratio", "p99_ratios",
 "loadavg_1m", "machine", ...}`` (``machine``: ``util.machine_description()``, the CPU and its L2 / L3
-sizes: the ratio moves with the core's cache, see WORKSPACE_NOTES 2026-12-03). ``--baseline`` (default fcfs; empty: none) is timed on the same seeds in the same
+sizes: the ratio moves with the core's cache). ``--baseline`` (default fcfs; empty: none) is timed on the same seeds in the same
 process. Each round (``--repeats`` rounds, seeds ``seed + i``) builds both replays and warms both up, then
 times the policy's steps and then the baseline's (policy, baseline, policy, baseline, ... over the rounds).
 The first ``--rewarm`` (3) timed-window steps of each run are run but not timed: they refill the caches the
-other replay evicted (measured: the first two steps after a switch cost up to 2x a steady step, for both
-policies). ``steps`` in a row = timed calls, ``--steps`` minus ``--rewarm`` per chunk; every replay still runs
+other replay evicted (the first steps after a switch are slower than a steady step, for both policies). ``steps`` in a row = timed calls, ``--steps`` minus ``--rewarm`` per chunk; every replay still runs
 ``--warmup + --steps`` steps, so ``plan_hash`` is that of a plain run.
 
 ``--chunk=K`` (default 0: one chunk per run) alternates the two replays every ``K`` steps instead, so that a
 change in machine load hits both alike, each chunk starting with ``--rewarm`` untimed steps. Not the
-default: on this box it gave p99 ratios ~10% lower than one chunk per run in the same minutes (2026-12-01,
-1.88-2.13 vs 2.12-2.23, with the baseline's p99 higher), and with one re-warm step instead of three the
-cold steps after each switch landed in the top 1% of both policies and shrank the ratio further; a
-remaining cold-cache effect of that kind could not be ruled out.
+default: each switch leaves cold-cache steps in both policies' tails, which biases the p99 ratio low.
 
 Summary: ``p50_ms`` / ``p99_ms`` / ``baseline_*`` and ``p99_ratio`` / ``mean_ratio`` are over every timed
 step of each policy in the run, pooled over the rounds (``samples`` steps each; with 3 x 497 samples the
 p99 is the 15th largest step, not the 6th of one round, so one noisy burst no longer decides it).
 ``p99_ratios`` are the per-round ratios (their spread shows the noise), ``median_round_p99_ratio`` their
-median, and ``best_p99_ratio`` the ratio of the lowest per-round p99 of each policy (this script's summary
-before 2026-12-01 afternoon; it compares whichever round of each policy was luckiest). ``plan_hash`` is the
+median, and ``best_p99_ratio`` the ratio of the lowest per-round p99 of each policy (it compares whichever
+round of each policy was luckiest). ``plan_hash`` is the
 SHA-256 of every plan of the run (``sched/replay.py``): equal hashes before and after a change mean
 identical decisions.
 
 The cost of a step is O(running + blocks rotated + log N): with B_xfer = 2400 and heavy oversubscription
-rotasched moves up to 2400 blocks each way per step, and that bookkeeping dominates (see WORKSPACE_NOTES).
+rotasched moves up to 2400 blocks each way per step, and that bookkeeping dominates.
 ``mean_ms``/``p99_ms`` are CPU time of the calling thread (``time.thread_time``), so that other processes on
 a shared box do not inflate them; ``wall_mean_ms``/``wall_p99_ms`` are wall-clock times of the same calls.
 
@@ -57,10 +51,9 @@ objects; block pairs are ``PairList`` int columns, not tuples) cross its thresho
 per policy after ``--warmup`` steps. Unlike the timings it does not move with machine load (same state, same
 count), so it shows a change in the scheduler's Python work on a noisy box. It is not the whole cost: work
 inside C functions counts as one instruction (a list copy, ``sum(map(...))``), and cache misses count nothing,
-so the time ratio runs above it (2026-12-01 night, N=1k: opcode ratio 1.82x, callgrind instruction ratio 2.02x,
-mean time ratio 2.2-2.8x). Do not optimise for it: moving per-element work into ``map(attrgetter(...))`` lowers
-the count but costs ~2x the instructions of a comprehension in CPython 3.11 (2026-12-02: a bulk ``prioritize``
-built that way, opcodes -6%, instructions +3.4%); judge hot-path changes by callgrind instructions.
+so the time ratio runs above it. Do not optimise for it: moving per-element work into ``map(attrgetter(...))``
+lowers the count but costs more machine instructions than a comprehension; judge hot-path changes by
+callgrind instructions.
 
 ``--plan_hashes`` skips the timing and prints ``{policy: {scenario: sha256}}`` for every policy over the
 replay scenarios (``sched/replay.py``; ``--hash_steps`` steps each): the plan-hash check, pinned by

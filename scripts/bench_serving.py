@@ -38,13 +38,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from superinfer_jax import configtree  # noqa: E402
 from superinfer_jax.experiment.runner import SweepSpec  # noqa: E402
+from superinfer_jax.sched.config import SchedulerConfig  # noqa: E402
 
 flags.DEFINE_string("base_url", "http://127.0.0.1:8000/v1", "the endpoint's OpenAI base URL")
 flags.DEFINE_string("served_model_name", None, "model name sent in requests (default: the first of /v1/models)")
 flags.DEFINE_enum("endpoint", "completions", ["completions", "chat"], "which API to drive")
 flags.DEFINE_string("api_key", "x", "bearer token sent to the endpoint")
-flags.DEFINE_float("ttft_slo", 5.0, "TTFT SLO in seconds (attainment; also sent per request as ttft_slo)")
-flags.DEFINE_float("tbt_slo", 0.1, "TBT SLO in seconds (attainment; also sent per request as tbt_slo)")
+configtree.define_flags(SchedulerConfig, only={"ttft_slo", "tbt_slo"})   # attainment; sent per request too
 flags.DEFINE_bool("send_slos", True, "send ttft_slo / tbt_slo fields with each request (ignored elsewhere)")
 flags.DEFINE_string("label", "http", "the run's label in results (the 'policy' column)")
 flags.DEFINE_integer("max_total_len", 0, "context cap for the workload (0: the model config's)")

@@ -11,7 +11,7 @@ efficiency factors, per-step overhead and the link curve (``superinfer_jax/sim/c
 profile with every number's source = this exact command and the date. The engine flags are the engine's
 (``EngineConfig``); the defaults here are those of ``configs/experiments/main.flags`` (f32, block 16, 8 seqs,
 256 batched tokens, bucket floors 8 / 32), so the profile describes the engine as the main job runs it.
-The default run takes about two minutes on the project's 2-core CPU. See docs/simulator.md.
+See docs/simulator.md.
 """
 import os
 import shlex
@@ -24,13 +24,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from absl import app, flags  # noqa: E402
 
+from superinfer_jax import configtree  # noqa: E402
+from superinfer_jax.sweep import SweepSpec  # noqa: E402
 from superinfer_jax.engine.config import define_engine_flags, engine_config_from_flags  # noqa: E402
 
-flags.DEFINE_string("model", "smollm2-135m", "model the engine loads: built-in name, HF dir, .gguf")
+configtree.define_flags(SweepSpec, only={"model"})   # --model: the model the engine loads
 flags.DEFINE_string("output", "configs/hardware/cpu.json", "where the profile JSON goes")
 flags.DEFINE_string("name", "cpu", "the profile's name (the results' hardware label)")
-# A 4 x 3 decode grid + 4 prefill sizes (16 points): the 3 x 2 + 3 grid fitted the batch-8 long-context
-# decode 24% low and left the simulator 25-34% high on rotasched's TTFT (WORKSPACE_NOTES, 2026-12-01 11:45).
+# A 4 x 3 decode grid + 4 prefill sizes (16 points): a coarser grid fits the large-batch long-context decode
+# low, and the simulator's TTFT inherits that error.
 flags.DEFINE_list("decode_batches", ["1", "2", "4", "8"], "decode batch sizes")
 flags.DEFINE_list("decode_contexts", ["32", "96", "160"], "decode prompt / context lengths (tokens)")
 flags.DEFINE_list("prefill_chunks", ["32", "64", "128", "256"],

@@ -22,12 +22,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from superinfer_jax import configtree  # noqa: E402
+from superinfer_jax.sweep import SweepSpec  # noqa: E402
 from superinfer_jax.engine.config import (SamplingParams, define_engine_flags,  # noqa: E402
                                           engine_config_from_flags)
 from superinfer_jax.parallel.distributed import (define_distributed_flags, initialize_from_flags,  # noqa: E402
                                                  is_primary)
 
-flags.DEFINE_string("model", "smollm2-135m", "HF dir, .gguf file, orbax dir, or a built-in name")
+configtree.define_flags(SweepSpec, only={"model"})   # --model: the model the engine loads
 flags.DEFINE_multi_string("prompt", [], "prompt text (repeatable)")
 flags.DEFINE_multi_string("prompt_token_ids", [], "comma-separated prompt token ids (repeatable)")
 flags.DEFINE_integer("max_tokens", 16, "max new tokens per prompt")

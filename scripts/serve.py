@@ -31,12 +31,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from superinfer_jax import configtree  # noqa: E402
+from superinfer_jax.sweep import SweepSpec  # noqa: E402
 from superinfer_jax.engine.config import define_engine_flags, engine_config_from_flags  # noqa: E402
 from superinfer_jax.util import freeze_heap  # noqa: E402
 from superinfer_jax.parallel.distributed import (define_distributed_flags, initialize_from_flags,  # noqa: E402
                                                  is_primary)
 
-flags.DEFINE_string("model", "smollm2-135m", "HF dir, .gguf file, orbax dir, or a built-in name")
+configtree.define_flags(SweepSpec, only={"model"})   # --model: the model the engine loads
 flags.DEFINE_string("served_model_name", None, "model name clients use (default: --model's base name)")
 flags.DEFINE_string("host", "127.0.0.1", "address to bind (default loopback only)")
 flags.DEFINE_integer("port", 8000, "port to bind (0: any free port; see --port_file)")

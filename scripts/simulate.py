@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 from superinfer_jax import configtree  # noqa: E402
-from superinfer_jax.engine.config import define_engine_flags, engine_config_from_flags  # noqa: E402
+from superinfer_jax.engine.config import EngineConfig, engine_config_from_flags  # noqa: E402
 from superinfer_jax.sweep import SweepSpec  # noqa: E402
 from superinfer_jax.sched.policies import POLICIES  # noqa: E402
 from superinfer_jax.sim.config import SimConfig  # noqa: E402
@@ -38,9 +38,9 @@ from superinfer_jax.sim.figures import (DEFAULT_WORKLOAD, figure_names, get_figu
 from superinfer_jax.sim.runner import (read_sim_trace, report, resolve_run, run_sim_sweep,  # noqa: E402
                                       validate_variants)
 
-configtree.define_flags(SimConfig)   # first: --hardware is SimConfig's (SweepSpec.hardware shares it)
-configtree.define_flags(SweepSpec)
-define_engine_flags()
+configtree.define_flags(SimConfig)   # first: --hardware and --tensor_parallel_size are SimConfig's
+configtree.define_flags(SweepSpec, shared={"hardware"})           # the profile's name is the results' label
+configtree.define_flags(EngineConfig, shared={"tensor_parallel_size"})
 flags.DEFINE_enum("figure", None, figure_names(),
                   "rerun a named paper experiment (sim/figures.py; docs/simulator.md 'Figures') into --output_dir "
                   "(default runs/figure-<name>) with its plot; flags given explicitly override its settings")

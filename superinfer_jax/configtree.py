@@ -3,7 +3,8 @@
 Every setting is declared once, as a dataclass field made with ``knob(default, help, ...)``: its name is the
 flag's name, its default the flag's default, its help the flag's help. A field whose type is itself a config
 dataclass is a subtree (``EngineConfig.scheduler``, ``.rotation``, ``.model``); flags are flat (no prefix), so
-names must be unique across the tree (checked when flags are defined).
+names must be unique across the tree (checked when flags are defined), and ``define_flags`` raises when a
+flag name is already defined on the ``FlagValues`` by anything but the same setting.
 
 Metadata a ``knob`` may carry:
   * ``choices``: a tuple, or a callable returning one (so the owning package's registry is read lazily):
@@ -17,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Callable, Iterator
+import weakref
+from typing import Any, Callable, Iterable, Iterator
 
 
 def knob(default: Any, help: str, *, choices: tuple | Callable[[], tuple] | None = None,  # noqa: A002
@@ -142,15 +144,58 @@ def as_flat_dict(cfg) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ absl
-def define_flags(cls, flag_values=None) -> None:
-  """Defines one absl flag per setting of the tree rooted at ``cls`` (idempotent per ``FlagValues``)."""
+_OWNERS: "weakref.WeakKeyDictionary[Any, dict[str, str]]" = weakref.WeakKeyDictionary()
+
+
+def owner_of(leaf: Leaf, cls) -> str:
+  """The dataclass that declares ``leaf``, as ``module.QualName`` (``cls`` is the tree's root)."""
+  owner = cls
+  for p in leaf.path[:-1]:
+    owner = typing.get_type_hints(owner)[p]
+  return f"{owner.__module__}.{owner.__qualname__}"
+
+
+def define_flags(cls, flag_values=None, shared: Iterable[str] = (), only: Iterable[str] | None = None) -> None:
+  """Defines one absl flag per setting of the tree rooted at ``cls`` on ``flag_values`` (default ``FLAGS``).
+
+  Each setting has exactly one definition. A flag name that ``flag_values`` already holds raises
+  ``flags.DuplicateFlagError`` naming the flag, the dataclass that declares the new setting and the existing
+  definition's owner (its dataclass when ``define_flags`` defined it, else the module that did), unless that
+  existing flag *is* this same setting (same field of the same dataclass): defining one tree twice on the same
+  ``FlagValues``, or two trees that share a subtree class (``SimConfig`` and ``EngineConfig``), is a no-op for
+  the shared settings. ``shared`` names settings this tree reads from a flag another tree already defined on
+  ``flag_values`` (``scripts/simulate.py``: ``SimConfig.hardware`` is also the results' ``SweepSpec.hardware``
+  label); a name in ``shared`` that is not defined yet raises ``KeyError``. ``only`` (flag names) defines just
+  those settings of the tree, for a script that reads a few of them (``--model`` of ``SweepSpec``); an unknown
+  name raises ``KeyError``. Each flag is registered under its owner (``module.Class``), so ``--helpfull`` lists
+  the settings grouped by the dataclass that declares them. Never modifies a flag that is already defined.
+  """
   from absl import flags  # pylint: disable=import-outside-toplevel
   fv = flags.FLAGS if flag_values is None else flag_values
   index = flat_index(cls)
+  owners = _OWNERS.setdefault(fv, {})
+  shared = set(shared)
+  if only is not None:
+    only = set(only)
+    unknown = sorted(only - {leaf.flag_name for leaf in index.values()})
+    if unknown:
+      raise KeyError(f"{cls.__name__}: no setting(s) {', '.join(unknown)}")
+  missing = sorted(n for n in shared if n not in fv)
+  if missing:
+    raise KeyError(f"{cls.__name__}: shared flag(s) {', '.join(missing)} not defined yet")
   for leaf in index.values():
     name = leaf.flag_name
-    if name in fv:
+    if name in shared or (only is not None and name not in only):
       continue
+    owner_class = owner_of(leaf, cls)
+    owner = f"{owner_class}.{leaf.field.name}"
+    if name in fv:
+      if owners.get(name) == owner:
+        continue
+      theirs = owners.get(name) or f"a flag defined in {fv.find_module_defining_flag(name, 'an unknown module')}"
+      raise flags.DuplicateFlagError(
+          f"flag --{name} is defined twice: by setting {owner} and by {theirs}; each setting has one owner")
+    owners[name] = owner
     f = leaf.field
     base, optional = base_type(leaf.type)
     default = f.default
@@ -160,7 +205,7 @@ def define_flags(cls, flag_values=None) -> None:
     if optional and "none_as" in f.metadata:
       help_text += f" ({f.metadata['none_as']!r}: unset)"
     c = choices_of(f)
-    kw = dict(flag_values=fv)
+    kw = dict(flag_values=fv, module_name=owner_class)
     if c is not None:
       flags.DEFINE_enum(name, default, list(c), help_text, **kw)
     elif base is bool:

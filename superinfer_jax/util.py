@@ -53,7 +53,7 @@ def machine_description(cpuinfo_path: str = "/proc/cpuinfo",
 
   ``{"cpu": "<model name> (<vendor> family F model M)", "cpus": os.cpu_count(), "l2_kib": L2 KiB of cpu0's
   cache, "l3_kib": ...}``. Host-side timings here move with the core's caches more than with its clock
-  (the scheduler's rotation touches ~360 cold requests a step), so a ratio is only comparable between rows
+  (the scheduler's rotation touches hundreds of cold requests a step), so a ratio is only comparable between rows
   of the same ``cpu`` and ``l2_kib``.
   """
   fields: dict[str, str] = {}
@@ -94,13 +94,10 @@ def freeze_heap() -> int:
   """Collects garbage, then moves every object the cyclic collector tracks into its permanent generation
   (``gc.freeze()``), where later collections do not look; returns how many objects are frozen.
 
-  Why: a full (oldest-generation) collection walks every tracked object, and a process serving SmolLM2 holds
-  ~600k of them before its first step (~100k from the imports, ~500k from the GGUF reader's metadata that
-  ``open_gguf`` caches) and ~900k once its step shapes are compiled. Measured on the 2-vCPU box (2026-12-03,
-  ``WORKSPACE_NOTES.md``): one such pass took 113-206 ms at startup, and in a serving-like loop (24 requests in
-  flight, 300 requests after an 80-request warm-up) one came due mid-loop and stalled the host for 375 ms,
-  about seven steps of every running request's TBT. With the heap frozen after the warm-up, no full pass came
-  due in the same loop, and one would walk the ~69k objects left (a pass over ~50k took ~7 ms).
+  Why: a full (oldest-generation) collection walks every tracked object, and a serving process holds hundreds
+  of thousands of them (imports, the GGUF reader's cached metadata, compiled step shapes); a pass that comes
+  due mid-loop stalls the host for several engine steps, which lands in every running request's TBT. Frozen,
+  those long-lived objects are no longer walked, so a full pass only sees the objects created since.
 
   Call it once the objects that live as long as the process exist (imports, weights, tokenizer; vLLM freezes at
   the same point). Frozen objects are still freed by reference counting, but the cyclic collector never
