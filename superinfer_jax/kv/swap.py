@@ -47,70 +47,37 @@ class SwapMixin:
       s = seqs[req_id]
       if s.on_host:
         raise ValueError(f"request {req_id!r} is already swapped out")
-      host = s.host
-      nc = s.num_computed
-      nfull = nc // bs
-      tail = nc - nfull * bs
-      ht = s.host_tokens
-      if not s.nwb and tail and ht[nfull] < tail and len(host) == nfull + 1:
-        # Fast path (the usual rotation under eager write-back): no full block is queued for write-back, i.e.
-        # (write-back queue invariant) every full computed block has a clean host copy, so the partial tail
-        # block (the last one: no uncomputed slots beyond it) is the only dirty one. Same result as the
-        # general path.
-        h = host[nfull]
-        mirrors += s.nhost  # its host blocks so far stop being mirrors of a resident request
-        if h == NO_BLOCK:
-          if hhead == len(hfree):
-            mirrors -= s.nhost
-            break
-          h = host[nfull] = hfree[hhead]
-          hhead += 1
-          s.nhost += 1
-        ht[nfull] = tail
-        dev = s.dev
-        srcs.append(dev[nfull])
-        dsts.append(h)
-        dev_free += dev
-        del dev[:]
-        s.num_tokens = nc
-        s.on_host = True
-      elif (s.nwb == 1 and not tail and len(host) == nfull and nfull
-            and (req_id, nfull - 1) in self._wb):
-        # The computed tokens end on a block boundary and the last block filled after the last write-back:
-        # it is the one dirty block (write-back queue invariant). Copy it and drop its queue entry.
-        i = nfull - 1
-        h = host[i]
-        mirrors += s.nhost  # its host blocks so far stop being mirrors of a resident request
-        if h == NO_BLOCK:
-          if hhead == len(hfree):
-            mirrors -= s.nhost
-            break
-          h = host[i] = hfree[hhead]
-          hhead += 1
-          s.nhost += 1
-        del self._wb[(req_id, i)]
-        s.nwb = 0
-        ht[i] = bs
-        dev = s.dev
-        srcs.append(dev[i])
-        dsts.append(h)
-        dev_free += dev
-        del dev[:]
-        s.on_host = True
-      elif not s.nwb and not tail and len(host) == nfull:
-        # The computed tokens end on a block boundary and every full block has a clean host copy (no
-        # write-back queued): nothing to copy; the device blocks are released (the general path's result).
-        mirrors += s.nhost
-        dev = s.dev
-        dev_free += dev
-        del dev[:]
-        s.on_host = True
-      else:
+      i = self._fast_swap_out_block(req_id, s)
+      if i is None:
         self._host_head = hhead  # the general path takes host blocks through _take_host
         moved = self._swap_out_general(req_id, s, out)
         hhead = self._host_head
         if moved is None:
           break
+        done += 1
+        continue
+      nhost = s.nhost  # its host blocks so far stop being mirrors of a resident request
+      if i >= 0:
+        host = s.host
+        h = host[i]
+        if h == NO_BLOCK:
+          if hhead == len(hfree):
+            break
+          h = host[i] = hfree[hhead]
+          hhead += 1
+          s.nhost += 1
+        if s.nwb:  # the block boundary case: its one queue entry is this block
+          del self._wb[(req_id, i)]
+          s.nwb = 0
+        s.host_tokens[i] = s.num_computed - i * bs
+        srcs.append(s.dev[i])
+        dsts.append(h)
+      mirrors += nhost
+      dev = s.dev
+      dev_free += dev
+      del dev[:]
+      s.num_tokens = s.num_computed
+      s.on_host = True
       done += 1
     if hhead + hhead >= len(hfree):  # compact as _take_host does (the consumed prefix is at least half)
       del hfree[:hhead]
@@ -118,6 +85,28 @@ class SwapMixin:
     self._host_head = hhead
     self._mirror_blocks -= mirrors
     return done, len(srcs) - start
+
+  def _fast_swap_out_block(self, req_id: ReqId, s: SeqBlocks) -> int | None:
+    """The one block a fast-path swap-out of resident ``s`` copies: its logical index, -1 when it copies
+    nothing, None when only the general path (``_swap_out_general``) applies. Never changes anything.
+
+    The fast paths rely on the write-back queue invariant (a full computed block is queued iff dirty) and
+    give the general path's result: (a) no queue entry and a partial, dirty tail block that is the last
+    block: copy the tail; (b) the computed tokens end on a block boundary and the last block is the one
+    queued: copy it; (c) block boundary, nothing queued: copy nothing.
+    """
+    bs = self.block_size
+    nc = s.num_computed
+    nfull = nc // bs
+    tail = nc - nfull * bs
+    n = len(s.host)
+    if not s.nwb and tail and s.host_tokens[nfull] < tail and n == nfull + 1:
+      return nfull
+    if s.nwb == 1 and not tail and n == nfull and nfull and (req_id, nfull - 1) in self._wb:
+      return nfull - 1
+    if not s.nwb and not tail and n == nfull:
+      return -1
+    return None
 
   def _swap_out_general(self, req_id: ReqId, s: SeqBlocks, out: PairList) -> int | None:
     """One swap-out by the general path: every dirty block copied, uncomputed slots dropped (None: the host
