@@ -66,23 +66,15 @@ class AdmissionMixin:
         in_moved = self._in_moved
         continue
       if prechecked:
-        need = r._demand  # device blocks for the computed tokens plus the pending slot (blocks_for(planned))
-        if need > free:
+        need, nblk = r._demand, 0  # device blocks for the computed tokens plus the pending slot (blocks_for)
+      else:
+        if not self._swap_in_ready(r, step, round_trip):
           continue
-        free -= need
-        room -= 1
-        batch.append(r)
-        continue
-      if r._touched_step == step:  # moved earlier in this step (rotated out in it: _out_step == step too)
-        if not round_trip or r._out_step != step:
+        c = r.num_computed_tokens
+        nblk = (c + bs - 1) // bs  # bm.blocks_to_swap_in(rid), inline
+        if cap is not None and in_moved and in_moved + nblk > cap:  # not in_fits(nblk, cap)
           continue
-      elif r.inflight_samples:
-        continue
-      c = r.num_computed_tokens
-      nblk = (c + bs - 1) // bs  # bm.blocks_to_swap_in(rid), inline
-      if cap is not None and in_moved and in_moved + nblk > cap:  # not in_fits(nblk, cap)
-        continue
-      need = c // bs + 1  # device blocks for the computed tokens plus the pending token's slot
+        need = c // bs + 1  # device blocks for the computed tokens plus the pending token's slot
       if need > free:
         continue
       free -= need
@@ -93,6 +85,14 @@ class AdmissionMixin:
       self._apply_swap_ins(batch, budget - len(batch), round_trip)
       admitted += len(batch)
     return admitted
+
+  @staticmethod
+  def _swap_in_ready(r: Request, step: int, round_trip: bool) -> bool:
+    """A rotary request may swap in at ``step``: untouched in it (or, with ``round_trip``, rotated out in it)
+    and with nothing in flight."""
+    if r._touched_step == step:  # moved earlier in this step (rotated out in it: _out_step == step too)
+      return round_trip and r._out_step == step
+    return not r.inflight_samples
 
   def _apply_swap_ins(self, batch: list[Request], budget: int, round_trip: bool = False) -> None:
     """Swaps in the rotary requests of ``batch`` (checked to fit): H2D pairs and the pending token's slot

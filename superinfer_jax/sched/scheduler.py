@@ -259,13 +259,8 @@ class Scheduler(RunningStepMixin, RotationOpsMixin, AdmissionMixin):
     return plan
 
   def _finalize(self, plan: StepPlan) -> None:
-    cfg = self.config
     bm = self.bm
-    if cfg.writeback and self.policy.uses_host_pool:
-      reserve = cfg.writeback_min_free_host
-      if reserve is None:
-        reserve = min(cfg.proactive_swap_budget, bm.num_host_blocks // 4)
-      plan.writeback = bm.take_writebacks(cfg.max_writeback_blocks, reserve)
+    self._take_writebacks(plan)
     reqs = self.requests
     mark = bm.mark_computed
     total = 0
@@ -311,6 +306,21 @@ class Scheduler(RunningStepMixin, RotationOpsMixin, AdmissionMixin):
     if track:
       self._need = (need_blk, need_tok) if not self._running_cut else None
     plan.num_batched_tokens = total
+    self._add_totals(plan)
+
+  def _take_writebacks(self, plan: StepPlan) -> None:
+    """Fills ``plan.writeback`` with this step's eager write-back pairs (``BlockManager.take_writebacks``),
+    keeping ``writeback_min_free_host`` host blocks free (default: min(B_xfer, a quarter of the host pool)).
+    Policies that do not use the host pool take none. Called before the plan's tokens are marked computed."""
+    cfg = self.config
+    if cfg.writeback and self.policy.uses_host_pool:
+      reserve = cfg.writeback_min_free_host
+      if reserve is None:
+        reserve = min(cfg.proactive_swap_budget, self.bm.num_host_blocks // 4)
+      plan.writeback = self.bm.take_writebacks(cfg.max_writeback_blocks, reserve)
+
+  def _add_totals(self, plan: StepPlan) -> None:
+    """Adds a finalized plan's per-step counters to ``totals``."""
     t = self.totals
     t["steps"] += 1
     t["rotations_out"] += len(plan.rotated_out)
@@ -321,7 +331,7 @@ class Scheduler(RunningStepMixin, RotationOpsMixin, AdmissionMixin):
     t["blocks_writeback"] += len(plan.writeback)
     t["recompute_preemptions"] += len(plan.preempted)
     t["admitted"] += len(plan.admitted)
-    t["scheduled_tokens"] += total
+    t["scheduled_tokens"] += plan.num_batched_tokens
 
   # ------------------------------------------------------------------ step done
   def on_step_done(self, plan: StepPlan, new_tokens: dict | None = None, finished: dict | None = None,
