@@ -238,9 +238,9 @@ class RotationPolicy(Policy):
     urgent = None if type(self).urgent is RotationPolicy.urgent else self.urgent  # None: always urgent
     # At most lvf_scan_limit candidates; the other stopping rules are checked where their inputs change.
     for r in itertools.islice(self.scan_candidates(sched, now), cfg.lvf_scan_limit):
-      if r._touched_step == step or r.inflight_samples:
+      if r.touched_step == step or r.inflight_samples:
         continue
-      blk = r._demand  # blocks_for(planned_tokens), kept by the queues (inflight_samples is 0 here)
+      blk = r.queued_demand  # blocks_for(planned_tokens), kept by the queues (inflight_samples is 0 here)
       if b_used + blk > (b_all if urgent is None or urgent(r, now) else b_hbm):
         skips += 1
         if skips >= max_skips:
@@ -297,8 +297,8 @@ class RotationPolicy(Policy):
         continue
       # Scheduler.rotatable(v), inline.
       gen = v.num_generated + v.inflight_samples
-      if (v.prompt_len + gen - v.num_computed_tokens != 1 or v._touched_step == step
-          or gen <= v._gen_at_admit or gen >= v.max_tokens or v._admit_step > oldest_admit):
+      if (v.prompt_len + gen - v.num_computed_tokens != 1 or v.touched_step == step
+          or gen <= v.generated_at_admit or gen >= v.max_tokens or v.admit_step > oldest_admit):
         continue
       if exact:
         copies = copies_of(v.req_id)
@@ -385,7 +385,7 @@ class WaitingFirst(Policy):
     victims = []
     i = 0
     for r in sched.waiting.iter_requests():
-      if tokens <= 0 or r._touched_step == sched.step_id or r.inflight_samples:
+      if tokens <= 0 or r.touched_step == sched.step_id or r.inflight_samples:
         break
       c = r.num_computed_tokens
       n = min(r.planned_tokens - c, tokens)
@@ -445,7 +445,8 @@ class RotaSchedStrict(RotaSched):
   name = "rotasched_strict"
 
   def urgent(self, r, now):
-    return r._qentry is not None and r._qentry[0][0] < now
+    k = r.queue_key
+    return k is not None and k[0] < now
 
 
 class EDF(RotationPolicy):
@@ -465,7 +466,8 @@ class EDF(RotationPolicy):
     return (e[2] for e in merged)
 
   def urgent(self, r, now):
-    return r._qentry is not None and r._qentry[0][0] <= now
+    k = r.queue_key
+    return k is not None and k[0] <= now
 
 
 class RotaSchedCode(Policy):
