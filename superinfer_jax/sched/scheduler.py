@@ -1,4 +1,4 @@
-"""The scheduler core: request queues, the step plan, lifecycle bookkeeping. Policies live in ``policies.py``.
+"""The scheduler core: request queues, the step plan, lifecycle bookkeeping. Policies live in ``policies/``.
 
 Public API
 ----------
@@ -28,7 +28,7 @@ Public API
     ``get(req_id)``, ``running_ids()``, ``waiting_ids()``, ``rotary_ids()``, ``vlt(req_id)``,
     ``totals`` (cumulative counters dict), ``check_invariants()``.
 
-Step structure (each policy composes these; see ``policies.py``)
+Step structure (each policy composes these; see ``policies/``)
   1. optional proactive rotation (the policy picks running victims; swap_out; when the host pool is full,
      clean host mirrors of other running requests are reclaimed first, and if that is not enough the victim
      stays running, or is recompute-preempted with ``proactive_recompute=True``);
@@ -40,7 +40,7 @@ Step structure (each policy composes these; see ``policies.py``)
      blocks, ``max_num_seqs`` and the swap-in budget;
   4. eager write-back pairs are taken last, then the plan's tokens are marked computed.
 
-Building blocks for policies (``policies.py``), in mixins by concept: ``running_step.py`` (``running_needs()``,
+Building blocks for policies (``policies/``), in mixins by concept: ``running_step.py`` (``running_needs()``,
 ``schedule_running()``, ``evict``, ``preempt``), ``rotation_ops.py`` (``rotatable``, ``rotate_out*``),
 ``admission.py`` (``swap_in``, ``admit_waiting``, ``admit_in_order``). In all: ``running_needs()``, ``schedule_running()``, ``rotate_out(r)`` /
 ``rotate_out_many(victims)``, ``swap_in(r)``, ``admit_waiting(r)``, ``admit_in_order(rs)``, ``preempt(r)``,
