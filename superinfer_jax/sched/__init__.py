@@ -1,6 +1,6 @@
 """RotaSched and baseline policies: request lifecycle, VLT, step plans, lookahead. Pure Python (no JAX).
 
-See ``scheduler.py`` for the API, ``policies.py`` for the policies, ``plan.py`` for ``StepPlan``.
+See ``scheduler.py`` for the API, ``policies/`` for the policies, ``plan.py`` for ``StepPlan``.
 """
 from superinfer_jax.sched.clock import VirtualClock, WallClock
 from superinfer_jax.sched.plan import ScheduledSeq, StepPlan

@@ -21,7 +21,7 @@ def _policy_names() -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-  """Scheduler knobs (see ``policies.py`` for what each policy does with them)."""
+  """Scheduler knobs (see ``policies/`` for what each policy does with them)."""
   policy: str = knob("rotasched", "scheduling policy", choices=_policy_names)
   max_num_seqs: int = knob(64, "most sequences in one step")
   max_num_batched_tokens: int = knob(512, "token budget of one step (chunked prefill)")

@@ -1,6 +1,6 @@
 """``SortedQueue``: the scheduler's waiting and rotary queues, sorted by a key fixed at push time.
 
-Keys are the policies' queue keys (``policies.py``): times that only grow for most pushes (arrivals, last-token
+Keys are the policies' queue keys (``policies/``): times that only grow for most pushes (arrivals, last-token
 times), so a push is usually an append. Ascending = head. Pure Python (no JAX).
 """
 from __future__ import annotations

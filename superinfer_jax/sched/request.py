@@ -84,6 +84,34 @@ class Request:
     self._out_step = -1  # step it was last rotated out (internal; same-step round trips)
     self._gen_at_admit = 0  # num_generated + inflight_samples when it last entered RUNNING (internal)
 
+  # Read-only view of the scheduler's bookkeeping, for policies (the fields stay the scheduler's to write).
+  @property
+  def touched_step(self) -> int:
+    """The last step that moved this request between states (-1: none yet)."""
+    return self._touched_step
+
+  @property
+  def queued_demand(self) -> int:
+    """Device blocks this request counts for in the scheduler's waiting + rotary demand while queued
+    (``blocks_for(planned_tokens)``)."""
+    return self._demand
+
+  @property
+  def admit_step(self) -> int:
+    """The step it last entered RUNNING."""
+    return self._admit_step
+
+  @property
+  def generated_at_admit(self) -> int:
+    """``num_generated + inflight_samples`` when it last entered RUNNING."""
+    return self._gen_at_admit
+
+  @property
+  def queue_key(self) -> tuple | None:
+    """Its key in the scheduler queue it sits in (ascending = head), or None when not queued."""
+    e = self._qentry
+    return None if e is None else e[0]
+
   @property
   def num_tokens(self) -> int:
     return self.prompt_len + self.num_generated

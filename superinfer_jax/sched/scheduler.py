@@ -1,4 +1,4 @@
-"""The scheduler core: request queues, the step plan, lifecycle bookkeeping. Policies live in ``policies.py``.
+"""The scheduler core: request queues, the step plan, lifecycle bookkeeping. Policies live in ``policies/``.
 
 Public API
 ----------
@@ -28,7 +28,7 @@ Public API
     ``get(req_id)``, ``running_ids()``, ``waiting_ids()``, ``rotary_ids()``, ``vlt(req_id)``,
     ``totals`` (cumulative counters dict), ``check_invariants()``.
 
-Step structure (each policy composes these; see ``policies.py``)
+Step structure (each policy composes these; see ``policies/``)
   1. optional proactive rotation (the policy picks running victims; swap_out; when the host pool is full,
      clean host mirrors of other running requests are reclaimed first, and if that is not enough the victim
      stays running, or is recompute-preempted with ``proactive_recompute=True``);
@@ -40,7 +40,9 @@ Step structure (each policy composes these; see ``policies.py``)
      blocks, ``max_num_seqs`` and the swap-in budget;
   4. eager write-back pairs are taken last, then the plan's tokens are marked computed.
 
-Building blocks for policies (``policies.py``): ``running_needs()``, ``schedule_running()``, ``rotate_out(r)`` /
+Building blocks for policies (``policies/``), in mixins by concept: ``running_step.py`` (``running_needs()``,
+``schedule_running()``, ``evict``, ``preempt``), ``rotation_ops.py`` (``rotatable``, ``rotate_out*``),
+``admission.py`` (``swap_in``, ``admit_waiting``, ``admit_in_order``). In all: ``running_needs()``, ``schedule_running()``, ``rotate_out(r)`` /
 ``rotate_out_many(victims)``, ``swap_in(r)``, ``admit_waiting(r)``, ``admit_in_order(rs)``, ``preempt(r)``,
 ``evict(r)``, ``rotatable(r)``. The ``*_many`` / ``admit_in_order`` forms decide exactly as one call per
 request would and move a step's rotations through batched block-manager calls (the hot path under
@@ -70,17 +72,19 @@ from typing import Hashable
 from superinfer_jax.kv.block_manager import BlockManager
 from superinfer_jax.sched import vlt as vlt_lib
 from superinfer_jax.sched.config import SchedulerConfig
-from superinfer_jax.sched.plan import ScheduledSeq, StepPlan
+from superinfer_jax.sched.admission import AdmissionMixin
+from superinfer_jax.sched.plan import StepPlan
 from superinfer_jax.sched.queue import SortedQueue
 from superinfer_jax.sched.request import Request, RequestState
+from superinfer_jax.sched.rotation_ops import RotationOpsMixin
+from superinfer_jax.sched.running_step import RunningStepMixin
 
 RUNNING = RequestState.RUNNING
 WAITING = RequestState.WAITING
 ROTARY = RequestState.ROTARY
 PREEMPTED = RequestState.PREEMPTED
 
-
-class Scheduler:
+class Scheduler(RunningStepMixin, RotationOpsMixin, AdmissionMixin):
   """One scheduler core with a pluggable policy. See the module docstring for the API and invariants."""
 
   def __init__(self, config: SchedulerConfig, block_manager: BlockManager, clock, policy=None):
@@ -255,13 +259,8 @@ class Scheduler:
     return plan
 
   def _finalize(self, plan: StepPlan) -> None:
-    cfg = self.config
     bm = self.bm
-    if cfg.writeback and self.policy.uses_host_pool:
-      reserve = cfg.writeback_min_free_host
-      if reserve is None:
-        reserve = min(cfg.proactive_swap_budget, bm.num_host_blocks // 4)
-      plan.writeback = bm.take_writebacks(cfg.max_writeback_blocks, reserve)
+    self._take_writebacks(plan)
     reqs = self.requests
     mark = bm.mark_computed
     total = 0
@@ -307,6 +306,21 @@ class Scheduler:
     if track:
       self._need = (need_blk, need_tok) if not self._running_cut else None
     plan.num_batched_tokens = total
+    self._add_totals(plan)
+
+  def _take_writebacks(self, plan: StepPlan) -> None:
+    """Fills ``plan.writeback`` with this step's eager write-back pairs (``BlockManager.take_writebacks``),
+    keeping ``writeback_min_free_host`` host blocks free (default: min(B_xfer, a quarter of the host pool)).
+    Policies that do not use the host pool take none. Called before the plan's tokens are marked computed."""
+    cfg = self.config
+    if cfg.writeback and self.policy.uses_host_pool:
+      reserve = cfg.writeback_min_free_host
+      if reserve is None:
+        reserve = min(cfg.proactive_swap_budget, self.bm.num_host_blocks // 4)
+      plan.writeback = self.bm.take_writebacks(cfg.max_writeback_blocks, reserve)
+
+  def _add_totals(self, plan: StepPlan) -> None:
+    """Adds a finalized plan's per-step counters to ``totals``."""
     t = self.totals
     t["steps"] += 1
     t["rotations_out"] += len(plan.rotated_out)
@@ -317,397 +331,7 @@ class Scheduler:
     t["blocks_writeback"] += len(plan.writeback)
     t["recompute_preemptions"] += len(plan.preempted)
     t["admitted"] += len(plan.admitted)
-    t["scheduled_tokens"] += total
-
-  # ---- building blocks used by policies -------------------------------------
-  def will_finish(self, r: Request) -> bool:
-    """True when in-flight samples already take the request to max_tokens (do not schedule it again)."""
-    return r.num_generated + r.inflight_samples >= r.max_tokens
-
-  def rotatable(self, r: Request) -> bool:
-    """A running request may be rotated out now: decode phase (one token without KV, and it has sampled a
-    token since it last entered RUNNING, so a prefill, first or recompute, is never interrupted and every
-    rotation follows progress), not moved earlier in this step, and not about to finish (its in-flight step
-    samples its last token: rotating it out would copy KV that is freed a step later)."""
-    gen = r.num_generated + r.inflight_samples
-    return (r.planned_tokens - r.num_computed_tokens == 1 and r._touched_step != self._step
-            and gen > r._gen_at_admit and gen < r.max_tokens)
-
-  def resident_long_enough(self, r: Request) -> bool:
-    """``min_residency``: a proactive victim must have been RUNNING for that many steps (0: always)."""
-    return self._step - r._admit_step >= self.config.min_residency
-
-  def budget_left(self) -> int:
-    return self._budget
-
-  def seats_left(self) -> int:
-    return self.config.max_num_seqs - len(self.running)
-
-  def running_needs(self) -> tuple[int, int]:
-    """(device blocks, tokens) running requests need this step, in admission order under the token budget.
-
-    At the start of a step (nothing planned yet) this is the total ``_finalize`` kept for the running set
-    when it fits the budget (policies with ``uses_running_needs``); otherwise one pass over the running
-    requests (``_running_needs_scan``, the definition).
-    """
-    need = self._need
-    plan = self._plan
-    if (need is not None and need[1] <= self._budget and plan is not None and not plan.scheduled
-        and not plan.rotated_out and not plan.preempted):
-      return need
-    return self._running_needs_scan()
-
-  def _need_of(self, r: Request) -> tuple[int, int]:
-    """(blocks, tokens) running request ``r`` needs next step, without a budget (``running_needs``'s term)."""
-    gen = r.num_generated + r.inflight_samples
-    c = r.num_computed_tokens
-    rem = r.prompt_len + gen - c
-    if rem <= 0 or gen >= r.max_tokens:
-      return 0, 0
-    bs = self.bm.block_size
-    return (c + rem + bs - 1) // bs - (c + bs - 1) // bs, rem
-
-  def _running_needs_scan(self) -> tuple[int, int]:
-    """``running_needs`` by one pass over the running requests in admission order."""
-    budget = self._budget
-    blocks = 0
-    bs = self.bm.block_size
-    for r in self.running.values():
-      if budget <= 0:
-        break
-      gen = r.num_generated + r.inflight_samples
-      c = r.num_computed_tokens
-      rem = r.prompt_len + gen - c
-      if rem <= 0 or gen >= r.max_tokens:
-        continue
-      n = rem if rem < budget else budget
-      # Resident: the manager covers exactly num_computed_tokens slots.
-      blocks += (c + n + bs - 1) // bs - (c + bs - 1) // bs
-      budget -= n
-    return blocks, self._budget - budget
-
-  def _emit(self, r: Request, n: int) -> None:
-    c = r.num_computed_tokens
-    rid = r.req_id
-    self._plan.scheduled.append(ScheduledSeq(rid, n, c, self.bm.block_table(rid),
-                                             c + n == r.prompt_len + r.num_generated + r.inflight_samples))
-    self._budget -= n
-
-  def schedule_running(self, reactive_mode: str = "recompute", swap_cap: int | None = None) -> bool:
-    """Step 2: give running requests their tokens; evict the last-admitted one when memory runs out.
-
-    Returns True if any reactive eviction happened. ``reactive_mode`` is "recompute" or "swap" (swap falls back
-    to recompute for mid-prefill victims, when ``swap_cap`` would be exceeded, or when the host pool is full).
-    """
-    bm = self.bm
-    append_slots = bm.append_slots
-    block_table = bm.block_table
-    emit = self._plan.scheduled.append
-    step = self._step
-    evicted = False
-    budget = self._budget  # kept local in the loop (evictions do not touch it); stored back below
-    for r in list(self.running.values()):
-      if r.state is not RUNNING or r._touched_step == step:
-        continue  # evicted in this loop, or admitted/rotated in this step (already scheduled)
-      if budget <= 0:
-        self._running_cut = True  # requests after this one keep their need unscheduled
-        break
-      gen = r.num_generated + r.inflight_samples
-      rem = r.prompt_len + gen - r.num_computed_tokens
-      if rem <= 0 or gen >= r.max_tokens:  # nothing to compute, or will_finish(r)
-        continue
-      n = rem if rem < budget else budget
-      rid = r.req_id
-      while not append_slots(rid, n):
-        victim = self._reactive_victim(r, reactive_mode, swap_cap)
-        self.evict(victim, reactive_mode, swap_cap)
-        evicted = True
-        if victim is r:
-          break
-      else:  # _emit(r, n), inline
-        emit(ScheduledSeq(rid, n, r.num_computed_tokens, block_table(rid), n == rem))
-        budget -= n
-    self._budget = budget
-    return evicted
-
-  def _reactive_victim(self, r: Request, mode: str, swap_cap: int | None) -> Request:
-    """The last-admitted running request; in swap mode, the last-admitted one that can be rotated (not yet
-    scheduled this step, decode phase, copies within ``swap_cap``), so that KV is parked rather than dropped."""
-    last = next(reversed(self.running.values()))
-    if mode != "swap" or (self.rotatable(last) and last is not r):
-      return last
-    for v in reversed(self.running.values()):
-      if v is r:
-        break  # requests before r were scheduled already this step
-      if self.rotatable(v) and self.out_fits(self.bm.swap_out_copies(v.req_id), swap_cap):
-        return v
-    return last
-
-  def evict(self, r: Request, mode: str, swap_cap: int | None = None) -> str:
-    """Evicts a running request: rotate out if ``mode == "swap"`` and allowed, else recompute preemption."""
-    if mode == "swap" and self.rotatable(r):  # mid-prefill victims are recomputed, never rotated
-      if swap_cap is None or self.out_fits(self.bm.swap_out_copies(r.req_id), swap_cap):
-        if self.rotate_out(r):
-          return "swap"
-    self.preempt(r)
-    return "recompute"
-
-  def out_fits(self, copies: int, cap: int | None) -> bool:
-    return cap is None or self._out_moved + copies <= cap or self._out_moved == 0
-
-  def in_fits(self, blocks: int, cap: int | None) -> bool:
-    return cap is None or self._in_moved + blocks <= cap or self._in_moved == 0
-
-  def rotate_out(self, r: Request) -> bool:
-    """Running -> ROTARY (KV to host). False (no change) if the host pool lacks room."""
-    assert r.state is RUNNING and self.rotatable(r), r
-    return self.rotate_out_many([r]) == 1
-
-  def rotate_out_many(self, victims: list[Request], recompute_if_full: bool = False) -> int:
-    """``rotate_out`` for each of ``victims`` in order (callers checked ``rotatable`` in this step); returns
-    how many rotated out. One the host pool cannot take, even after clean mirrors of other running requests
-    are reclaimed, stays running, or is recompute-preempted with ``recompute_if_full``. The same decisions
-    as one ``rotate_out`` call per victim; the block manager swaps each run of victims that fit in one call.
-    """
-    bm = self.bm
-    out = self._plan.swap_out
-    rids = [v.req_id for v in victims]
-    n = len(victims)
-    i = rotated = 0
-    while i < n:
-      k, moved = bm.swap_out_many(rids[i:] if i else rids, out)
-      if k:
-        self._rotated_out(victims[i:i + k], moved, rids[i:i + k])
-        rotated += k
-        i += k
-      if i == n:
-        break
-      r = victims[i]  # the host pool cannot take it as things stand
-      moved = None
-      if self._reclaim_host_mirrors(bm.blocks_to_swap_out(r.req_id), r):
-        moved = bm.swap_out_to(r.req_id, out)
-      if moved is not None:
-        self._rotated_out([r], moved, [r.req_id])
-        rotated += 1
-      elif recompute_if_full:
-        self.preempt(r)
-      i += 1
-    return rotated
-
-  def _rotated_out(self, rs: list[Request], moved: int, rids: list) -> None:
-    """Bookkeeping of requests just swapped out (``moved`` D2H pairs in all; ``rids``: their ids): RUNNING ->
-    ROTARY, queued."""
-    plan = self._plan
-    step = self._step
-    now = self._now
-    bs = self.bm.block_size
-    running = self.running
-    residency = demand = 0
-    for r in rs:
-      del running[r.req_id]
-      r.state = ROTARY
-      r.state_time = now
-      r._touched_step = r._out_step = step
-      r.num_rotations += 1
-      residency += step - r._admit_step
-      # _enqueue_rotary(r), inline: a rotatable request is in decode phase (planned = computed + 1)
-      r._demand = d = r.num_computed_tokens // bs + 1
-      demand += d
-    self.rotary.push_many(rs, self.policy.rotary_keys(rs, self))  # keyed after the state change
-    plan.residency_steps += residency
-    plan.rotated_out += rids
-    self._out_moved += moved
-    self._demand += demand
-
-  def _reclaim_host_mirrors(self, need: int, keep: Request) -> bool:
-    """Frees host blocks held by clean mirrors of running requests (most recently admitted first) until
-    ``need`` are free. Mirrors are redundant copies, so nothing is lost; requests moved in this step are
-    skipped (their host blocks are this step's H2D sources: ordering contract 3). True if enough are free."""
-    bm = self.bm
-    if need > bm.num_free_host_blocks + bm.reclaimable_host_blocks():
-      return False
-    for v in reversed(self.running.values()):
-      if bm.num_free_host_blocks >= need:
-        break
-      if v is keep or v._touched_step == self._step:
-        continue
-      bm.drop_host_mirrors(v.req_id)
-    return bm.num_free_host_blocks >= need
-
-  def preempt(self, r: Request) -> None:
-    """Running -> PREEMPTED: drop the KV (recompute later)."""
-    assert r.state is RUNNING, r
-    self.bm.free(r.req_id)
-    del self.running[r.req_id]
-    r.num_computed_tokens = 0
-    r.state = PREEMPTED
-    r.state_time = self._now
-    r._touched_step = self._step
-    r.num_preemptions += 1
-    self._plan.preempted.append(r.req_id)
-    self._enqueue_waiting(r, preempted=True)
-
-  def swap_in(self, r: Request, cap: int | None = None, round_trip: bool = False) -> bool:
-    """ROTARY -> RUNNING and schedule its pending token. False (no change) if it does not fit now.
-
-    A request rotated out in this step comes back in it only with ``round_trip=True`` (``rotasched_code``:
-    the reference fork's admission loop may swap a victim straight back in). Its host copy is then this
-    step's D2H destination and H2D source at once; the plan lists it in ``round_trips`` and the engine
-    issues the step's D2H copies before its H2D copies (block manager ordering contract 3).
-    """
-    assert r.state is ROTARY, r
-    return self.admit_in_order((r,), cap, round_trip) == 1
-
-  def admit_in_order(self, rs, cap: int | None = None, round_trip: bool = False, prechecked: bool = False) -> int:
-    """Admits ``rs`` in order, skipping those that do not fit now, until the token budget or the seats run
-    out; returns how many were admitted. A rotary request is swapped in (``swap_in`` with ``cap`` and
-    ``round_trip``), a waiting one gets a prefill chunk (``admit_waiting``). The same decisions as one
-    ``swap_in`` / ``admit_waiting`` call per request; the swap-ins between two waiting requests are applied
-    with one block-manager call.
-
-    A rotary request is in its decode phase (an invariant): its one pending token needs one slot
-    (``planned_tokens - num_computed_tokens == 1``) and its host blocks cover exactly its computed tokens.
-
-    ``prechecked=True``: ``rs`` is this step's ``prioritize`` result and nothing was swapped in since (each
-    rotary one is untouched in this step, has nothing in flight, and its swap-in fits ``cap`` after the ones
-    before it in ``rs``, which admission only thins out), so those three checks always pass and are skipped.
-    """
-    step = self._step
-    bs = self.bm.block_size
-    max_seqs = self.config.max_num_seqs
-    budget = self._budget  # at the start of the current batch; each swap-in takes one token and one seat
-    room = min(budget, max_seqs - len(self.running))  # minus len(batch): tokens and seats both remain
-    free = self.bm.num_free_device_blocks
-    in_moved = self._in_moved
-    admitted = 0
-    batch = []  # rotary requests that fit, not yet swapped in
-    for r in rs:
-      if room <= 0:
-        break
-      if r.state is not ROTARY:
-        if batch:
-          self._apply_swap_ins(batch, budget - len(batch), round_trip)
-          admitted += len(batch)
-          batch = []
-        if self.admit_waiting(r):
-          admitted += 1
-        budget = self._budget
-        room = min(budget, max_seqs - len(self.running))
-        free = self.bm.num_free_device_blocks
-        in_moved = self._in_moved
-        continue
-      if prechecked:
-        need = r._demand  # device blocks for the computed tokens plus the pending slot (blocks_for(planned))
-        if need > free:
-          continue
-        free -= need
-        room -= 1
-        batch.append(r)
-        continue
-      if r._touched_step == step:  # moved earlier in this step (rotated out in it: _out_step == step too)
-        if not round_trip or r._out_step != step:
-          continue
-      elif r.inflight_samples:
-        continue
-      c = r.num_computed_tokens
-      nblk = (c + bs - 1) // bs  # bm.blocks_to_swap_in(rid), inline
-      if cap is not None and in_moved and in_moved + nblk > cap:  # not in_fits(nblk, cap)
-        continue
-      need = c // bs + 1  # device blocks for the computed tokens plus the pending token's slot
-      if need > free:
-        continue
-      free -= need
-      room -= 1
-      in_moved += nblk
-      batch.append(r)
-    if batch:
-      self._apply_swap_ins(batch, budget - len(batch), round_trip)
-      admitted += len(batch)
-    return admitted
-
-  def _apply_swap_ins(self, batch: list[Request], budget: int, round_trip: bool = False) -> None:
-    """Swaps in the rotary requests of ``batch`` (checked to fit): H2D pairs and the pending token's slot
-    from the block manager, ROTARY -> RUNNING, each scheduled for its pending token. ``budget`` is the
-    token budget after them; the swap-in volume grows by their H2D pairs (one per host block).
-    ``round_trip``: ``batch`` may hold requests rotated out in this step (``swap_in``'s flag).
-
-    The requests' own fields are brought to their end-of-step values here (the pending token counted as
-    computed and in flight, as ``_finalize`` would: nothing later in the step reads them), and what they
-    need next step is added to ``_swapin_need``; ``_finalize`` marks their tokens in the block manager at
-    their place in plan order (after the write-backs: ordering contract 2)."""
-    plan = self._plan
-    rids = [r.req_id for r in batch]
-    pairs_before = len(plan.swap_in)
-    tables = self.bm.swap_in_many(rids, 1, plan.swap_in)
-    assert len(tables) == len(batch)
-    self.rotary.remove_many(batch)  # _dequeue(r) for each, with the demand below (hot under rotation)
-    step = self._step
-    if round_trip:
-      trips = [r.req_id for r in batch if r._out_step == step]  # rotated out in this step (rotasched_code)
-      plan.round_trips += trips
-      self.totals["round_trips"] += len(trips)
-    scheduled = plan.scheduled
-    self._swapins.append((len(scheduled), rids, batch))  # _finalize marks these seqs in the block manager
-    emit = scheduled.append
-    self.running.update(zip(rids, batch))
-    now = self._now
-    bs = self.bm.block_size
-    need_tok = need_blk = demand = 0
-    track = self.policy.uses_running_needs
-    for r, table in zip(batch, tables):
-      demand += r._demand  # leaves the queued demand (a running request's _demand is not read)
-      c = r.num_computed_tokens
-      emit(ScheduledSeq(r.req_id, 1, c, table, True))  # _emit(r, 1), inline: c + 1 == planned_tokens
-      c += 1  # the pending token, computed by this step
-      # _to_running(r), inline
-      r.state = RUNNING
-      r.state_time = now
-      r._touched_step = r._admit_step = step
-      r._gen_at_admit = gen = c - r.prompt_len  # num_generated + inflight_samples
-      # _finalize's general path for this seq, less the block manager's mark (done there, in plan order)
-      r.num_computed_tokens = c
-      r.inflight_samples += 1
-      if track and gen < r.max_tokens - 1:  # gen + 1 < max_tokens
-        need_tok += 1
-        if not c % bs:
-          need_blk += 1
-    self._demand -= demand
-    sn = self._swapin_need
-    sn[0] += need_blk
-    sn[1] += need_tok
-    plan.rotated_in += rids
-    self._budget = budget
-    self._in_moved += len(plan.swap_in) - pairs_before
-
-  def admit_waiting(self, r: Request) -> bool:
-    """WAITING/PREEMPTED -> RUNNING with a prefill chunk. False (no change) if it does not fit now."""
-    assert r.state in (WAITING, PREEMPTED), r
-    if r._touched_step == self._step or r.inflight_samples:
-      return False
-    rem = r.planned_tokens - r.num_computed_tokens
-    n = rem if rem < self._budget else self._budget
-    if n <= 0 or len(self.running) >= self.config.max_num_seqs:
-      return False
-    if not self.bm.append_slots(r.req_id, n):
-      return False
-    self._dequeue(r)
-    self._plan.admitted.append(r.req_id)
-    self._to_running(r)
-    self._emit(r, n)
-    return True
-
-  def admit(self, r: Request, cap: int | None = None) -> bool:
-    if r.state is ROTARY:
-      return self.swap_in(r, cap)
-    return self.admit_waiting(r)
-
-  def _to_running(self, r: Request) -> None:
-    r.state = RUNNING
-    r.state_time = self._now
-    r._touched_step = self._step
-    r._admit_step = self._step
-    r._gen_at_admit = r.num_generated + r.inflight_samples
-    self.running[r.req_id] = r
+    t["scheduled_tokens"] += plan.num_batched_tokens
 
   # ------------------------------------------------------------------ step done
   def on_step_done(self, plan: StepPlan, new_tokens: dict | None = None, finished: dict | None = None,
