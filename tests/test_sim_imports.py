@@ -18,7 +18,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIM = os.path.join(ROOT, "superinfer_jax", "sim")
 ALLOWED = ("superinfer_jax.sim", "superinfer_jax.sched", "superinfer_jax.kv", "superinfer_jax.workload",
            "superinfer_jax.metrics", "superinfer_jax.sweep", "superinfer_jax.configtree", "superinfer_jax.util",
-           "superinfer_jax.assets", "superinfer_jax.model.config", "superinfer_jax.model.paths",
+           "superinfer_jax.assets", "superinfer_jax.model.config", "superinfer_jax.model.config_fields",
+           "superinfer_jax.model.config_hf", "superinfer_jax.model.config_gguf", "superinfer_jax.model.memory",
+           "superinfer_jax.model.paths",
            "superinfer_jax.model.tokenizer", "superinfer_jax.rotation.config")
 REAL_ENGINE_MODULES = ("calibration.py", "validation.py")   # reach the engine inside functions, on purpose
 
