@@ -1,5 +1,5 @@
 """One bad client stalls nobody: the app in a real uvicorn server (in a thread, on a loopback port) over a
-paced fake engine (one token per 20 ms), a stream measured at the client while other clients send a 10 MB
+paced fake engine (one token per 50 ms, a decode step of a large model), a stream measured at the client while other clients send a 10 MB
 body, send a body slowly, or never read their stream. Every wait is bounded."""
 import json
 import socket
@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx")
 from superinfer_jax.serving.app import build_app  # noqa: E402
 from superinfer_jax.serving.testing import FakeEngine  # noqa: E402
 
-STEP_S = 0.02
+STEP_S = 0.05
 
 
 class PacedEngine(FakeEngine):
