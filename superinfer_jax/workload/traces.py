@@ -4,7 +4,7 @@ Two formats, told apart by the header row:
 
 * **Azure LLM inference trace** (Azure Public Dataset, 2023/2024: ``AzureLLMInferenceTrace_{code,conv}.csv``):
   ``TIMESTAMP,ContextTokens,GeneratedTokens``. ``TIMESTAMP`` is a date-time such as
-  ``2023-11-16 18:15:46.6805900`` (more than 6 fractional digits are truncated to microseconds; an ISO ``T``
+  ``YYYY-MM-DD HH:MM:SS.fffffff`` (more than 6 fractional digits are truncated to microseconds; an ISO ``T``
   and a trailing ``Z`` / UTC offset are accepted) or a number of seconds.
 * **Splitwise** (Patel et al., ISCA 2024 traces): ``arrived_at,num_prefill_tokens,num_decode_tokens``, with
   ``arrived_at`` in seconds.
