@@ -39,9 +39,10 @@ def tiny_model_dir(tmp_path_factory):
 HEAVY_MODULES = frozenset({
     "test_ablation_flagfiles", "test_bench_engine_script", "test_calibrate_script", "test_device_check",
     "test_engine_model_families", "test_engine_smollm2", "test_experiment", "test_generate_script",
-    "test_model_smollm2", "test_multihost", "test_multihost_serve", "test_pallas_bench", "test_rotation_bench",
+    "test_mixtral", "test_model_hf_parity", "test_model_smollm2", "test_multihost", "test_multihost_serve",
+    "test_pallas_bench", "test_pallas_ragged_attention", "test_rotation_bench",
     "test_serving", "test_serving_server", "test_serving_stall", "test_sim_figures", "test_sim_script",
-    "test_tensor_parallel", "test_trace_workload",
+    "test_sliding_window", "test_tensor_parallel", "test_trace_workload",
 })
 
 
