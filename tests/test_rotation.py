@@ -147,9 +147,10 @@ class _ScatterFirst(DuplexKV):
 
   def issue(self, cache, swap_out=(), writeback=(), swap_in=()):
     swap_in = [tuple(p) for p in swap_in]
-    incoming = self._start_h2d(swap_in, {})
+    incoming = self._batched_h2d([h for h, _ in swap_in], {})
     cache = self._scatter(cache, [d for _, d in swap_in], incoming)
-    self._start_d2h(cache, [tuple(p) for p in list(swap_out) + list(writeback)])
+    out = [tuple(p) for p in list(swap_out) + list(writeback)]
+    self._batched_d2h(cache, [d for d, _ in out], [h for _, h in out])
     return cache
 
 

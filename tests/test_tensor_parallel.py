@@ -292,7 +292,7 @@ def _child(out_dir: str) -> None:
       kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
       kind = "pinned_host" if "pinned_host" in kinds else "unpinned_host"
       dk = DuplexKV(spec, 4, host_memory_kind=kind, sharding=tp2.block_sharding)
-      staged = dk._gather(cache, [2])[0]   # pylint: disable=protected-access
+      staged = dk.gather(cache, [2])[0]
       cache = dk.issue(cache, swap_out=[(2, 3)])
       dk.wait()
       host = dk._host[3]                   # pylint: disable=protected-access

@@ -1,10 +1,10 @@
-"""DuplexKV rotation engine: pinned-host KV block pool, batched full-duplex transfers (docs/paper.md §4).
+"""DuplexKV rotation engine: pinned-host KV block pool, batched full-duplex transfers (docs/duplexkv.md).
 
 ``RotationConfig`` and the mode names import without JAX; ``DuplexKV`` and the rest load JAX on first use.
 """
-from superinfer_jax.rotation.config import DUPLEX, MERGED, MODES, NAIVE, RotationConfig
+from superinfer_jax.rotation.config import DUPLEX, MERGED, MERGED_KERNEL, MODES, NAIVE, SERIAL_MODES, RotationConfig
 
-_LAZY = {"DuplexKV": "duplexkv", "TransferStats": "duplexkv", "bucket_size": "duplexkv",
+_LAZY = {"DuplexKV": "duplexkv", "TransferStats": "stats", "bucket_size": "duplexkv",
          "read_device_block": "duplexkv"}
 
 
@@ -16,5 +16,5 @@ def __getattr__(name):
   return getattr(importlib.import_module(f"superinfer_jax.rotation.{mod}"), name)
 
 
-__all__ = ["DUPLEX", "MERGED", "MODES", "NAIVE", "DuplexKV", "RotationConfig", "TransferStats", "bucket_size",
-           "read_device_block"]
+__all__ = ["DUPLEX", "MERGED", "MERGED_KERNEL", "MODES", "NAIVE", "SERIAL_MODES", "DuplexKV", "RotationConfig",
+           "TransferStats", "bucket_size", "read_device_block"]

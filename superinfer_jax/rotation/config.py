@@ -1,8 +1,15 @@
 """``RotationConfig``: how DuplexKV moves KV blocks (transfer mode, layout, kernel buckets). No JAX.
 
-* ``transfer_mode`` (docs/paper.md §4.3, Table 1): ``duplex`` (both directions batched and issued together,
-  the default), ``merged`` (batched per direction, D2H then H2D, each waited for), ``naive`` (vLLM's
-  per-layer, per-K/V, per-block copies, one at a time).
+* ``transfer_mode`` (docs/paper.md §4.3, Table 1; docs/duplexkv.md), the paper's ablation:
+
+  - ``naive``: vLLM's per-layer, per-K/V, per-block copies, one at a time, each waited for;
+  - ``merged`` ("merged segments"): one contiguous segment per block, but one gather launch and one copy
+    per segment; D2H then H2D, each direction waited for;
+  - ``merged_kernel`` ("merged kernels"): one gather/scatter launch for many block segments and one batched
+    copy per direction; D2H then H2D, each direction waited for;
+  - ``duplex`` (the default): as ``merged_kernel``, with both directions issued together and no waits, so
+    they overlap each other and the model step.
+
 * ``kv_layout``: ``block_first`` (one block = one contiguous segment, the paper's layout and the only one
   the model's attention reads) or ``layer_first`` (vLLM's: ``2 * L`` segments per block). The real engine
   runs block-first only and refuses ``layer_first`` with a clear error; ``scripts/bench_transfer.py``
@@ -17,8 +24,11 @@ from superinfer_jax.kv.layout import BLOCK_FIRST, LAYOUTS
 
 DUPLEX = "duplex"
 MERGED = "merged"
+MERGED_KERNEL = "merged_kernel"
 NAIVE = "naive"
-MODES = (NAIVE, MERGED, DUPLEX)
+MODES = (NAIVE, MERGED, MERGED_KERNEL, DUPLEX)
+# Modes whose two directions run one after the other (each waited for before the next starts).
+SERIAL_MODES = (NAIVE, MERGED, MERGED_KERNEL)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,86 +1,64 @@
-"""DuplexKV: the KV rotation engine (docs/paper.md §4) — device cache <-> pinned-host block pool.
+"""DuplexKV: the KV rotation engine (docs/paper.md §4, docs/duplexkv.md) — device cache <-> pinned-host pool.
 
-One ``issue()`` per engine step executes the block manager's copy lists:
+One ``issue()`` per engine step executes the block manager's copy lists. In the batched modes
+(``merged_kernel`` and ``duplex``):
 
-* D2H (swap-out + eager write-back, ``(device, host)`` pairs): ONE jitted, bucketed gather of the source
-  blocks from ``cache`` into per-block staging arrays on device, then ONE batched ``device_put`` of them to
-  ``pinned_host`` (asynchronous).
-* H2D (swap-in, ``(host, device)`` pairs): ONE batched ``device_put`` of the host blocks to device (started
-  as early as the plan is known: by ``prefetch()`` or first thing in ``issue()``), then ONE jitted, bucketed
-  scatter into the donated ``cache``.
+* D2H (swap-out + eager write-back, ``(device, host)`` pairs): jitted, bucketed gathers of the source
+  blocks from ``cache`` into per-block staging arrays on device (one launch per ``max_bucket`` blocks), then
+  ONE batched ``device_put`` of them to ``pinned_host`` (asynchronous).
+* H2D (swap-in, ``(host, device)`` pairs): ONE batched ``device_put`` of the host blocks to device (in
+  ``duplex`` started as early as the plan is known: by ``prefetch()`` or first thing in ``issue()``), then
+  jitted, bucketed scatters into the donated ``cache``.
 
-Ordering (the rules docs/paper.md §7.2 says the reference code breaks), all by JAX data dependencies, no waits:
+``duplex`` issues both directions and returns without waiting; ``merged_kernel`` waits for the D2H batch
+before starting the H2D batch, and for the H2D batch before the scatter. The per-segment modes ``naive`` and
+``merged`` live in ``segment_copies.py``.
+
+Ordering rules (docs/paper.md §7.2), all by JAX data dependencies, no waits:
 
 1. The D2H gather reads ``cache``, the array returned by the last *dispatched* model step, so it runs after
    the step that wrote the copied tokens (never a stale block).
 2. Within ``issue()`` the gather is dispatched before the scatter that donates ``cache``; the runtime orders
    a donation after all pending reads of the buffer. So a device block freed by a swap-out can be the
    target of a swap-in (or of the next model step's writes) in the same step: its old content is already
-   in the staging array. The staging array, not the cache, is the source of the D2H ``device_put``.
+   in the staging array, which (not the cache) is the source of the D2H ``device_put``.
 3. Host blocks are immutable arrays: a D2H copy to host block ``h`` makes a *new* array and rebinds ``h``
    to it. A pending H2D read of the old content keeps the old array alive; an H2D read of ``h`` issued after
-   the rebinding waits (in the runtime) for the D2H copy to land. So no cross-step write-after-read or
-   read-after-write hazard exists on the host side, and the engine never blocks on a transfer whose data is
-   not needed yet.
+   the rebinding waits (in the runtime) for the D2H copy to land. So no host-side write-after-read or
+   read-after-write hazard exists across steps, and the engine never blocks on a copy it does not need.
 
-Host-pool representation (why not one big host array): scatter / dynamic-update-slice INTO a ``pinned_host``
-array inside jit crashes XLA (openxla/xla #34565, #47362) and indexing a ``pinned_host`` array fails
-(jax #34041); see docs/platform.md. So the host pool is a dict ``host_id -> jax.Array [L, 2, BS, H, D]`` in
-``pinned_host`` memory: each host block is its own buffer (taken from the runtime's pinned-host allocator),
-written whole by a ``device_put`` and read whole by a ``device_put``; nothing ever indexes or updates a host
-array in place. In the block-first layout that buffer is exactly the block's contiguous device segment, so
-each block moves as one DMA segment, and a step's blocks move in one batched ``device_put`` call.
+Host pool: scatter / dynamic-update-slice INTO a ``pinned_host`` array inside jit crashes XLA (openxla/xla
+#34565, #47362) and indexing a ``pinned_host`` array fails (jax #34041; docs/platform.md). So the pool is a
+dict ``host_id -> jax.Array [L, 2, BS, H, D]`` in host memory (naive mode: a tuple of ``2 * L`` segments):
+each host block is its own buffer, written whole and read whole by ``device_put``; nothing indexes or
+updates a host array in place. In the block-first layout that buffer is the block's contiguous device
+segment, so each block moves as one DMA segment.
 
-Ablation modes (docs/paper.md §4.3 and Table 1), chosen by ``mode``:
+``spec.layout == "layer_first"`` works in every mode: the device-side gather turns the block's ``2 * L``
+strided segments into one staging block, so the batched modes pay a strided gather on device, and
+``naive`` mode moves the layer-first segments.
 
-* ``"duplex"`` (default): batched per direction; H2D and D2H issued together, no waits (overlap each other
-  and the model step).
-* ``"merged"``: batched per direction (merged segments) but serialized: the D2H batch is waited for before
-  the H2D batch starts, and the H2D batch is waited for before the scatter.
-* ``"naive"``: vLLM's per-layer, per-K/V, per-block copies (segments ``[BS, H, D]``), one ``device_put`` at
-  a time, each waited for; all D2H first, then all H2D. Host blocks are then kept as ``2 * L`` segments.
-
-``spec.layout == "layer_first"`` (cache ``[L, 2, NB, BS, H, D]``) works in every mode: the device-side
-gather turns the block's ``2 * L`` strided segments into one staging block, so in the batched modes the
-layout costs a strided gather on device, and in ``"naive"`` mode the transfers are the layer-first segments.
+Times of the copies (issue -> ready, and the part the caller blocked for) are booked in ``stats`` (see
+``stats.py``); ``poll()`` closes landed copies without blocking.
 """
 from __future__ import annotations
 
-import dataclasses
+import time
 from typing import Iterable, Sequence
 
 import jax
 import numpy as np
 
 from superinfer_jax.kv.layout import PADDING_BLOCK, KVCacheSpec
-from superinfer_jax.kv.pairs import PairList, columns
-from superinfer_jax.rotation import kernels
-from superinfer_jax.rotation.config import DUPLEX, MERGED, MODES, NAIVE  # noqa: F401 (re-exported)
+from superinfer_jax.kv.pairs import columns
+from superinfer_jax.rotation import kernels, segment_copies
+from superinfer_jax.rotation.checks import as_pairs, check_host_id, validate_step
+from superinfer_jax.rotation.config import (DUPLEX, MERGED, MERGED_KERNEL, MODES, NAIVE,  # noqa: F401
+                                            SERIAL_MODES)
+from superinfer_jax.rotation.stats import InFlight, TransferStats  # noqa: F401 (re-exported)
 from superinfer_jax.util import next_power_of_2
 
-
 Pair = tuple[int, int]
-
-
-@dataclasses.dataclass
-class TransferStats:
-  """Counters of everything an engine has moved (cumulative)."""
-  issues: int = 0               # issue() calls
-  blocks_out: int = 0           # D2H blocks (swap-out + write-back)
-  writeback_blocks: int = 0     # of which eager write-back
-  blocks_in: int = 0            # H2D blocks
-  bytes_out: int = 0
-  bytes_in: int = 0
-  batches_out: int = 0          # D2H device_put calls (naive: one per segment)
-  batches_in: int = 0           # H2D device_put calls (naive: one per segment; prefetch() calls count)
-  segments_out: int = 0         # contiguous D2H segments (batched modes: one per block)
-  segments_in: int = 0
-  prefetched_blocks: int = 0    # swap-in blocks whose H2D was started by prefetch()
-  gathers: int = 0              # jitted gather launches
-  scatters: int = 0             # jitted scatter launches
-
-  def as_dict(self) -> dict:
-    return dataclasses.asdict(self)
 
 
 def bucket_size(n: int, min_bucket: int = 1) -> int:
@@ -88,22 +66,8 @@ def bucket_size(n: int, min_bucket: int = 1) -> int:
   return next_power_of_2(max(n, min_bucket))
 
 
-def _pairs(pairs: Iterable[Sequence[int]] | None) -> PairList:
-  """A fresh PairList of Python ints: a PairList is copied column-wise (no per-pair tuple), anything else is
-  read as an iterable of ``(src, dst)`` pairs."""
-  if pairs is None:
-    return PairList()
-  if isinstance(pairs, PairList):
-    return PairList.from_columns(list(map(int, pairs.srcs)), list(map(int, pairs.dsts)))
-  srcs, dsts = [], []
-  for a, b in pairs:
-    srcs.append(int(a))
-    dsts.append(int(b))
-  return PairList.from_columns(srcs, dsts)
-
-
 class DuplexKV:
-  """Rotation engine: a pinned-host block pool and the batched, ordered transfers to and from a device cache.
+  """Rotation engine: a pinned-host block pool and the ordered transfers to and from a device cache.
 
   The engine does not own the device cache: ``issue()`` takes the current cache and returns the updated
   one (donated), like the model step. It owns the host pool: host block ids ``0..num_host_blocks-1``, each
@@ -119,19 +83,18 @@ class DuplexKV:
     Args:
       spec: cache shape; ``spec.layout`` selects block-first or layer-first kernels.
       num_host_blocks: host pool size (ids ``0..num_host_blocks-1``).
-      mode: ``"duplex"``, ``"merged"`` or ``"naive"`` (see the module docstring).
+      mode: one of ``MODES`` (``rotation/config.py``).
       device: the device holding the cache (default: ``jax.devices()[0]``).
       host_memory_kind: ``"pinned_host"`` (GPU); ``"unpinned_host"`` also works on CPU.
-      max_bucket: most blocks per jitted gather/scatter launch; more blocks are split into several launches
-        (still one ``device_put`` per direction). Bounds compile time (it grows linearly with the bucket:
-        SmolLM2 blocks on CPU, gather + scatter of 16 blocks ~4 s, of 64 blocks ~15 s) and staging memory.
-      min_bucket: smallest bucket (power of two).
+      max_bucket: most blocks per jitted gather/scatter launch (a power of two); more blocks are split
+        into several launches (still one ``device_put`` per direction). Compile time and staging memory
+        grow with it.
+      min_bucket: smallest bucket (rounded up to a power of two).
       sharding: device sharding of one block ``[L, 2, BS, H, D]`` when the cache is sharded (tensor
-        parallelism: ``parallel.kv.kv_block_sharding``, heads split over the mesh); ``device`` is then
-        ignored. A host block is then one array with the same sharding in ``host_memory_kind``: each
-        device's slice is its own host buffer, copied by that device alone, and a block's copy is done
-        when every shard's copy is (``wait`` / ``is_ready`` on the array cover all shards). Byte counters
-        count every shard (``spec.block_bytes`` of the whole block).
+        parallelism: ``parallel.kv.kv_block_sharding``); ``device`` is then ignored. A host block is then one
+        array with the same sharding in ``host_memory_kind``: each device's slice is its own host buffer,
+        copied by that device alone, and a block's copy is done when every shard's is. Byte counters count
+        every shard (``spec.block_bytes`` of the whole block).
     """
     if mode not in MODES:
       raise ValueError(f"mode {mode!r} not one of {MODES}")
@@ -139,9 +102,7 @@ class DuplexKV:
       raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
     if max_bucket < 1 or max_bucket & (max_bucket - 1):
       raise ValueError(f"max_bucket must be a power of two, got {max_bucket}")
-    self.spec = spec
-    self.num_host_blocks = num_host_blocks
-    self.mode = mode
+    self.spec, self.num_host_blocks, self.mode = spec, num_host_blocks, mode
     self.max_bucket = max_bucket
     self.min_bucket = min(bucket_size(min_bucket), max_bucket)
     if sharding is None:
@@ -149,26 +110,21 @@ class DuplexKV:
       sharding = jax.sharding.SingleDeviceSharding(self.device)
     else:
       self.device = min(sharding.device_set, key=lambda d: d.id)
-    for d in sharding.device_set:
-      if d.process_index != jax.process_index():
-        continue
-      kinds = {m.kind for m in d.addressable_memories()}
-      if host_memory_kind not in kinds:
-        raise ValueError(f"{d} has no {host_memory_kind!r} memory (has {sorted(kinds)})")
+    _check_memory_kind(sharding, host_memory_kind)
     self.host_memory_kind = host_memory_kind
-    self._dev_sharding = sharding.with_memory_kind(self.device.default_memory().kind)
-    self._host_sharding = sharding.with_memory_kind(host_memory_kind)
+    self.device_sharding = sharding.with_memory_kind(self.device.default_memory().kind)
+    self.host_sharding = sharding.with_memory_kind(host_memory_kind)
     # Block ids go to every device of the cache's sharding (replicated).
     self._ids_sharding = (jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-                          if isinstance(sharding, jax.sharding.NamedSharding) else self._dev_sharding)
+                          if isinstance(sharding, jax.sharding.NamedSharding) else self.device_sharding)
     self._dtype = np.dtype(jax.numpy.dtype(spec.dtype))
     self._block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
     self._host: dict[int, jax.Array | tuple[jax.Array, ...]] = {}
     self._prefetched: dict[int, tuple[object, jax.Array]] = {}
-    self._pending_out: list[jax.Array] = []
     self._pad_block_dev: jax.Array | None = None
     self._variants: set[tuple] = set()
     self.stats = TransferStats()
+    self.clock = InFlight(self.stats)
 
   # ------------------------------------------------------------------------------------------- public API
   @property
@@ -199,8 +155,8 @@ class DuplexKV:
       ids = self._ids([PADDING_BLOCK] * bucket, bucket)
       blocks = kernels.gather_blocks(cache, ids, block_axis=self.spec.block_axis)
       cache = kernels.scatter_blocks(cache, ids, blocks, block_axis=self.spec.block_axis)
-      self._variants.add(("gather", cache.shape, str(cache.dtype), bucket))
-      self._variants.add(("scatter", cache.shape, str(cache.dtype), bucket))
+      self.note_variant(("gather", cache.shape, str(cache.dtype), bucket))
+      self.note_variant(("scatter", cache.shape, str(cache.dtype), bucket))
       bucket *= 2
     return cache
 
@@ -209,21 +165,21 @@ class DuplexKV:
 
     Call it as soon as the plan is known (e.g. before dispatching the current model step). The copies land
     in fresh device buffers, so nothing in the cache is touched before ``issue()``. Prefetches not consumed
-    by the next ``issue()`` are dropped. In ``"merged"`` and ``"naive"`` modes this is a no-op (those modes
-    serialize H2D after D2H by definition).
+    by the next ``issue()`` are dropped. In the serialized modes this is a no-op (they start H2D after D2H
+    by definition).
     """
-    pairs = _pairs(swap_in)
+    pairs = as_pairs(swap_in)
     if self.mode != DUPLEX or not pairs:
       return
     todo = []
     for h in pairs.srcs:
-      src = self._host_entry(h)
+      src = self.host_entry(h)
       pf = self._prefetched.get(h)
       if pf is None or pf[0] is not src:
         todo.append((h, src))
     if not todo:
       return
-    arrays = jax.device_put([src for _, src in todo], self._dev_sharding)
+    arrays = jax.device_put([src for _, src in todo], self.device_sharding)
     self.stats.batches_in += 1
     for (h, src), arr in zip(todo, arrays):
       self._prefetched[h] = (src, arr)
@@ -251,26 +207,21 @@ class DuplexKV:
         H2D source and a D2H destination in this call.
       KeyError: a ``swap_in`` source host block holds nothing (never written or freed).
     """
-    d2h_so, d2h_wb, h2d = _pairs(swap_out), _pairs(writeback), _pairs(swap_in)
+    t0 = time.perf_counter()
+    d2h_so, d2h_wb, h2d = as_pairs(swap_out), as_pairs(writeback), as_pairs(swap_in)
     d2h = d2h_so + d2h_wb
-    num_blocks = self._check_cache(cache)
-    self._validate(num_blocks, d2h, h2d)
+    validate_step(self._check_cache(cache), self.num_host_blocks, d2h, h2d)
     prefetched, self._prefetched = self._prefetched, {}
-    self._pending_out = [a for a in self._pending_out if not a.is_ready()]
+    self.clock.poll()
+    (devs, hosts), (srcs, dsts) = columns(d2h), columns(h2d)
     if self.mode == DUPLEX:
-      incoming = self._start_h2d(h2d, prefetched)      # H2D first: it does not depend on the cache
-      self._start_d2h(cache, d2h)                      # gather from cache, then D2H of the staging blocks
-      cache = self._scatter(cache, h2d.dsts, incoming)   # donates cache: after the gather
-    elif self.mode == MERGED:
-      self._start_d2h(cache, d2h)
-      self.wait()
-      incoming = self._start_h2d(h2d, {})
-      jax.block_until_ready(incoming)
-      cache = self._scatter(cache, h2d.dsts, incoming)
+      incoming = self._batched_h2d(srcs, prefetched)    # H2D first: it does not depend on the cache
+      on_host = self._batched_d2h(cache, devs, hosts)   # gather from cache, then D2H of the staging blocks
+      cache = self._scatter(cache, dsts, incoming)      # donates cache: after the gather
+      self.clock.add(t0, on_host + incoming)
     else:
-      self._naive_d2h(cache, d2h)
-      incoming = self._naive_h2d(h2d)
-      cache = self._scatter(cache, h2d.dsts, incoming)
+      cache = self._serial_issue(cache, devs, hosts, srcs, dsts)
+      self.clock.add(t0, [])
     st, bb = self.stats, self.spec.block_bytes
     st.issues += 1
     st.blocks_out += len(d2h)
@@ -280,21 +231,22 @@ class DuplexKV:
     st.bytes_in += len(h2d) * bb
     return cache
 
-  def wait(self) -> None:
-    """Blocks until every D2H copy issued so far has landed in host memory (tests, benchmarks, shutdown).
+  def poll(self) -> int:
+    """Books the copies seen landed (``stats.copy_time_s``); never blocks. Returns issue() groups in flight."""
+    return self.clock.poll()
 
-    The engine itself never needs this: readers of a host block wait for it through the runtime.
-    """
-    jax.block_until_ready(self._pending_out)
-    self._pending_out = []
+  def wait(self) -> None:
+    """Blocks until every copy issued so far has landed (tests, benchmarks, shutdown); the wait is booked
+    as blocked time. The engine itself never needs this: readers of a host block wait through the runtime."""
+    self.clock.wait()
 
   def read_host_block(self, host_id: int) -> np.ndarray:
     """Returns a copy of host block ``host_id`` as numpy ``[L, 2, BS, H, D]`` (``spec.dtype``); waits for it.
 
-    For tests and debugging only (``np.asarray`` after a D2H copy can stall for a while on GPU, jax #36651;
-    the engine never reads host blocks into numpy).
+    For tests and debugging only (``np.asarray`` after a D2H copy can stall on GPU, jax #36651; the engine
+    never reads host blocks into numpy).
     """
-    entry = self._host_entry(host_id)
+    entry = self.host_entry(host_id)
     if isinstance(entry, tuple):
       segs = [np.asarray(s) for s in entry]
       return np.stack([np.stack(segs[2 * l:2 * l + 2]) for l in range(self.spec.num_layers)])
@@ -302,7 +254,7 @@ class DuplexKV:
 
   def write_host_block(self, host_id: int, data: np.ndarray) -> None:
     """Sets host block ``host_id`` to ``data`` (``[L, 2, BS, H, D]``); for tests and for seeding a pool."""
-    self._check_host_id(host_id)
+    check_host_id(host_id, self.num_host_blocks)
     data = np.asarray(data)
     if data.shape != self._block_shape or data.dtype != self._dtype:
       raise ValueError(f"host block must be {self._block_shape} {self._dtype}, got {data.shape} {data.dtype}")
@@ -310,7 +262,7 @@ class DuplexKV:
       segs = [data[l, kv] for l in range(self.spec.num_layers) for kv in range(2)]
       self._host[host_id] = tuple(jax.device_put(segs, self._segment_host_sharding()))
     else:
-      self._host[host_id] = jax.device_put(data, self._host_sharding)
+      self._host[host_id] = jax.device_put(data, self.host_sharding)
 
   def free_host_blocks(self, host_ids: Iterable[int]) -> None:
     """Releases the host memory of these blocks (optional: a later D2H to the id replaces it anyway)."""
@@ -318,17 +270,46 @@ class DuplexKV:
       self._host.pop(int(h), None)
       self._prefetched.pop(int(h), None)
 
-  # ------------------------------------------------------------------------------------------- internals
-  def _check_host_id(self, h: int) -> None:
-    if not 0 <= h < self.num_host_blocks:
-      raise ValueError(f"host block id {h} out of range [0, {self.num_host_blocks})")
-
-  def _host_entry(self, h: int):
-    self._check_host_id(h)
+  # ------------------------------------------- pieces shared with segment_copies.py (not for other callers)
+  def host_entry(self, h: int):
+    """Host block ``h``'s array (naive: tuple of segments); ``KeyError`` if it holds nothing."""
+    check_host_id(h, self.num_host_blocks)
     try:
       return self._host[h]
     except KeyError:
       raise KeyError(f"host block {h} holds no data (never written, or freed)") from None
+
+  def set_host_entry(self, h: int, value) -> None:
+    self._host[h] = value
+
+  def note_variant(self, key: tuple) -> None:
+    self._variants.add(key)
+
+  def gather(self, cache: jax.Array, src: Sequence[int], per_launch: int | None = None) -> list[jax.Array]:
+    """Device staging copies ``[L, 2, BS, H, D]`` of blocks ``src``: bucketed jitted gathers of at most
+    ``per_launch`` (default ``max_bucket``) blocks each."""
+    out: list[jax.Array] = []
+    for start, stop, bucket in self._chunks(len(src), per_launch):
+      ids = self._ids(src[start:stop], bucket)
+      blocks = kernels.gather_blocks(cache, ids, block_axis=self.spec.block_axis)
+      self.note_variant(("gather", cache.shape, str(cache.dtype), bucket))
+      self.stats.gathers += 1
+      out.extend(blocks[:stop - start])
+    return out
+
+  # ------------------------------------------------------------------------------------------- internals
+  def _serial_issue(self, cache: jax.Array, devs, hosts, srcs, dsts) -> jax.Array:
+    """The serialized modes: D2H (waited for), then H2D (waited for), then the scatter."""
+    if self.mode == NAIVE:
+      segment_copies.naive_d2h(self, cache, devs, hosts)
+      return self._scatter(cache, dsts, segment_copies.naive_h2d(self, srcs))
+    if self.mode == MERGED:
+      segment_copies.merged_d2h(self, cache, devs, hosts)
+      return self._scatter(cache, dsts, segment_copies.merged_h2d(self, srcs), per_launch=1)
+    self.clock.block(self._batched_d2h(cache, devs, hosts))
+    incoming = self._batched_h2d(srcs, {})
+    self.clock.block(incoming)
+    return self._scatter(cache, dsts, incoming)
 
   def _check_cache(self, cache: jax.Array) -> int:
     axis = self.spec.block_axis
@@ -340,59 +321,20 @@ class DuplexKV:
                        f"{self._dtype}")
     return nb
 
-  def _validate(self, num_blocks: int, d2h: Iterable[Sequence[int]], h2d: Iterable[Sequence[int]]) -> None:
-    out_devs, out_hosts = columns(d2h)
-    in_hosts, in_devs = columns(h2d)
-    if not self._ids_ok(out_devs, out_hosts, num_blocks):
-      for d, h in zip(out_devs, out_hosts):  # report the first bad pair, as a per-pair check would
-        if not PADDING_BLOCK < d < num_blocks:
-          raise ValueError(f"D2H source device block {d} out of range [1, {num_blocks})")
-        self._check_host_id(h)
-    if not self._ids_ok(in_devs, in_hosts, num_blocks):
-      for h, d in zip(in_hosts, in_devs):
-        if not PADDING_BLOCK < d < num_blocks:
-          raise ValueError(f"H2D destination device block {d} out of range [1, {num_blocks})")
-        self._check_host_id(h)
-    out_set = set(out_hosts)
-    if len(out_set) != len(out_hosts):
-      raise ValueError(f"a host block is the D2H destination twice: {sorted(out_hosts)}")
-    if len(set(in_devs)) != len(in_devs):
-      raise ValueError(f"a device block is the H2D destination twice: {sorted(in_devs)}")
-    both = out_set.intersection(in_hosts)
-    if both:
-      raise ValueError(f"host blocks {sorted(both)} are both H2D sources and D2H destinations in one step")
-
-  def _ids_ok(self, devs: Sequence[int], hosts: Sequence[int], num_blocks: int) -> bool:
-    """True when every device id is in ``[1, num_blocks)`` and every host id in the pool (min/max, in C)."""
-    if not devs:
-      return True
-    return (PADDING_BLOCK < min(devs) and max(devs) < num_blocks and 0 <= min(hosts)
-            and max(hosts) < self.num_host_blocks)
-
   def _ids(self, ids: Sequence[int], bucket: int) -> jax.Array:
     padded = np.full((bucket,), PADDING_BLOCK, np.int32)
     padded[:len(ids)] = ids
     return jax.device_put(padded, self._ids_sharding)   # explicit: fine under transfer_guard("disallow")
 
-  def _chunks(self, n: int):
-    for start in range(0, n, self.max_bucket):
-      stop = min(n, start + self.max_bucket)
+  def _chunks(self, n: int, per_launch: int | None = None):
+    step = min(per_launch or self.max_bucket, self.max_bucket)
+    for start in range(0, n, step):
+      stop = min(n, start + step)
       yield start, stop, bucket_size(stop - start, self.min_bucket)
-
-  def _gather(self, cache: jax.Array, src: Sequence[int]) -> list[jax.Array]:
-    """Device staging copies ``[L, 2, BS, H, D]`` of blocks ``src`` (bucketed jitted gathers)."""
-    out: list[jax.Array] = []
-    for start, stop, bucket in self._chunks(len(src)):
-      ids = self._ids(src[start:stop], bucket)
-      blocks = kernels.gather_blocks(cache, ids, block_axis=self.spec.block_axis)
-      self._variants.add(("gather", cache.shape, str(cache.dtype), bucket))
-      self.stats.gathers += 1
-      out.extend(blocks[:stop - start])
-    return out
 
   def _segment_host_sharding(self) -> jax.sharding.Sharding:
     """Host sharding of one naive-mode segment ``[BS, H, D]`` (the block's, without the L and K/V axes)."""
-    sh = self._host_sharding
+    sh = self.host_sharding
     if isinstance(sh, jax.sharding.NamedSharding):
       return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*tuple(sh.spec)[2:]),
                                         memory_kind=sh.memory_kind)
@@ -400,40 +342,38 @@ class DuplexKV:
 
   def _pad_block(self) -> jax.Array:
     if self._pad_block_dev is None:
-      self._pad_block_dev = jax.device_put(np.zeros(self._block_shape, self._dtype), self._dev_sharding)
+      self._pad_block_dev = jax.device_put(np.zeros(self._block_shape, self._dtype), self.device_sharding)
     return self._pad_block_dev
 
-  def _scatter(self, cache: jax.Array, dst: Sequence[int], blocks: Sequence[jax.Array]) -> jax.Array:
+  def _scatter(self, cache: jax.Array, dst: Sequence[int], blocks: Sequence[jax.Array],
+               per_launch: int | None = None) -> jax.Array:
     """Writes ``blocks`` (device ``[L, 2, BS, H, D]``) into device blocks ``dst`` of the donated cache."""
-    for start, stop, bucket in self._chunks(len(dst)):
+    for start, stop, bucket in self._chunks(len(dst), per_launch):
       ids = self._ids(dst[start:stop], bucket)
       chunk = list(blocks[start:stop]) + [self._pad_block()] * (bucket - (stop - start))
       cache = kernels.scatter_blocks(cache, ids, tuple(chunk), block_axis=self.spec.block_axis)
-      self._variants.add(("scatter", cache.shape, str(cache.dtype), bucket))
+      self.note_variant(("scatter", cache.shape, str(cache.dtype), bucket))
       self.stats.scatters += 1
     return cache
 
-  def _start_d2h(self, cache: jax.Array, d2h: Iterable[Sequence[int]]) -> None:
-    """Batched modes: gather, then one batched device_put of the staging blocks to host memory."""
-    devs, hosts = columns(d2h)
+  def _batched_d2h(self, cache: jax.Array, devs: Sequence[int], hosts: Sequence[int]) -> list[jax.Array]:
+    """Gathers, then ONE batched device_put of the staging blocks to host memory; returns the host arrays."""
     if not devs:
-      return
-    staged = self._gather(cache, devs)
-    on_host = jax.device_put(staged, self._host_sharding)
+      return []
+    on_host = jax.device_put(self.gather(cache, devs), self.host_sharding)
     self.stats.batches_out += 1
     self.stats.segments_out += len(devs)
     for h, arr in zip(hosts, on_host):
       self._host[h] = arr
-    self._pending_out.extend(on_host)
+    return list(on_host)
 
-  def _start_h2d(self, h2d: Iterable[Sequence[int]],
-                 prefetched: dict[int, tuple[object, jax.Array]]) -> list[jax.Array]:
-    """Batched modes: device copies of the swap-in host blocks (prefetched ones reused), one device_put."""
-    hosts, _ = columns(h2d)
+  def _batched_h2d(self, hosts: Sequence[int], prefetched: dict[int, tuple[object, jax.Array]]
+                   ) -> list[jax.Array]:
+    """Device copies of host blocks ``hosts`` (prefetched ones reused), the rest in ONE device_put."""
     arrays: list[jax.Array | None] = [None] * len(hosts)
     todo_idx, todo_src = [], []
     for i, h in enumerate(hosts):
-      src = self._host_entry(h)
+      src = self.host_entry(h)
       pf = prefetched.get(h)
       if pf is not None and pf[0] is src:
         arrays[i] = pf[1]
@@ -442,42 +382,21 @@ class DuplexKV:
         todo_idx.append(i)
         todo_src.append(src)
     if todo_src:
-      for i, arr in zip(todo_idx, jax.device_put(todo_src, self._dev_sharding)):
+      for i, arr in zip(todo_idx, jax.device_put(todo_src, self.device_sharding)):
         arrays[i] = arr
       self.stats.batches_in += 1
     self.stats.segments_in += len(hosts)
     return arrays  # type: ignore[return-value]
 
-  def _naive_d2h(self, cache: jax.Array, d2h: Iterable[Sequence[int]]) -> None:
-    """Naive mode: per block, per layer, per K/V segment, one blocking device_put at a time."""
-    devs, hosts = columns(d2h)
-    if not devs:
-      return
-    staged = self._gather(cache, devs)
-    self._variants.add(("split", self._block_shape))
-    for h, blk in zip(hosts, staged):
-      segs = []
-      for seg in kernels.split_block(blk):
-        seg = jax.device_put(seg, seg.sharding.with_memory_kind(self.host_memory_kind))
-        seg.block_until_ready()
-        segs.append(seg)
-      self._host[h] = tuple(segs)
-      self.stats.batches_out += len(segs)
-      self.stats.segments_out += len(segs)
 
-  def _naive_h2d(self, h2d: Iterable[Sequence[int]]) -> list[jax.Array]:
-    blocks = []
-    for h in columns(h2d)[0]:
-      segs = []
-      for seg in self._host_entry(h):
-        seg = jax.device_put(seg, seg.sharding.with_memory_kind(self._dev_sharding.memory_kind))
-        seg.block_until_ready()
-        segs.append(seg)
-      blocks.append(kernels.join_block(tuple(segs)))
-      self._variants.add(("join", self._block_shape))
-      self.stats.batches_in += len(segs)
-      self.stats.segments_in += len(segs)
-    return blocks
+def _check_memory_kind(sharding: jax.sharding.Sharding, kind: str) -> None:
+  """``ValueError`` unless every local device of ``sharding`` has memory kind ``kind``."""
+  for d in sharding.device_set:
+    if d.process_index != jax.process_index():
+      continue
+    kinds = {m.kind for m in d.addressable_memories()}
+    if kind not in kinds:
+      raise ValueError(f"{d} has no {kind!r} memory (has {sorted(kinds)})")
 
 
 def read_device_block(cache: jax.Array, spec: KVCacheSpec, block_id: int) -> np.ndarray:
