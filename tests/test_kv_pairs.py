@@ -193,4 +193,5 @@ def test_duplexkv_takes_pairlists_like_lists(mode):
   for got_dev, got_host, got_stats in results[1:]:
     for a, b in zip(got_dev + got_host, ref_dev + ref_host):
       np.testing.assert_array_equal(a, b)
-    assert got_stats == ref_stats
+    untimed = lambda st: {k: v for k, v in st.items() if not k.endswith("_time_s")}  # noqa: E731
+    assert untimed(got_stats) == untimed(ref_stats)  # clock readings differ run to run; counts must not
