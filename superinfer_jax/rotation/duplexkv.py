@@ -168,6 +168,9 @@ class DuplexKV:
     by the next ``issue()`` are dropped. In the serialized modes this is a no-op (they start H2D after D2H
     by definition).
     """
+    # Close landed copy groups first: the clock holds the previous step's H2D staging arrays until it sees
+    # them ready, and they must be released before this prefetch allocates the next step's.
+    self.clock.poll()
     pairs = as_pairs(swap_in)
     if self.mode != DUPLEX or not pairs:
       return

@@ -16,6 +16,10 @@ Modes, exactly as ``rotation/duplexkv.py`` runs them (docs/paper.md §4.3, Table
 * ``merged``: batched per direction (one launch each), segments of the layout's ``segment_bytes``
   (``block_bytes`` for block_first; ``block_bytes / (2 L)`` for layer_first, 2 L per block), D2H then H2D:
   ``t = launch + B_out / bw_d2h(seg) + launch + B_in / bw_h2d(seg)``.
+* ``merged_kernel``: the ``merged`` formula. The engine's ``merged`` makes one copy and one gather/scatter
+  launch per block and ``merged_kernel`` one batched copy and launch per direction; the per-segment curve
+  is measured copy by copy, so it already holds the per-copy cost both share, and the launches saved by
+  the one-kernel path are not modelled: the two modes cost the same here.
 * ``duplex``: batched, both directions at once, limited by the duplex cap:
   ``t = launch + max(B_out / bw_d2h(seg), B_in / bw_h2d(seg), (B_out + B_in) / duplex_cap)``.
 
