@@ -21,7 +21,9 @@ are an error)::
       "d2h_gbps_by_segment": {"points": [[65536, 4.5], [1048576, 30], [8388608, 60]], "source": "..."},
       "h2d_gbps_by_segment": {"points": [...], "source": "..."},  # [segment bytes, GB/s], sizes increasing
       "duplex_cap_gbps":   {"value": 120, "source": "..."},       # both directions together, GB/s
-      "launch_overhead_s": {"value": 1e-5, "source": "..."}       # per batched transfer (one direction), s
+      "launch_overhead_s": {"value": 1e-5, "source": "..."},      # per batched transfer (one direction), s
+      "kernel_d2h_gbps":   {"value": 256, "source": "..."},       # (optional) one merged-kernel launch's rate,
+      "kernel_h2d_gbps":   {"value": 289, "source": "..."}        # per direction, GB/s (absent: the curve)
     }
   }
 
@@ -56,13 +58,19 @@ class LinkProfile:
   h2d_curve: tuple[tuple[float, float], ...]
   duplex_cap_gbps: float
   launch_overhead_s: float
+  # Rate of one launch that moves a whole batch (modes merged_kernel and duplex), per direction, GB/s; None:
+  # such a batch moves at the segment curve's rate (transfer.kernel_rates).
+  kernel_d2h_gbps: Optional[float] = None
+  kernel_h2d_gbps: Optional[float] = None
 
   def scaled(self, factor: float) -> "LinkProfile":
-    """The same link with every bandwidth (both curves and the duplex cap) multiplied by ``factor``."""
+    """The same link with every bandwidth (curves, duplex cap, kernel rates) multiplied by ``factor``."""
     return dataclasses.replace(
         self, d2h_curve=tuple((s, b * factor) for s, b in self.d2h_curve),
         h2d_curve=tuple((s, b * factor) for s, b in self.h2d_curve),
-        duplex_cap_gbps=self.duplex_cap_gbps * factor)
+        duplex_cap_gbps=self.duplex_cap_gbps * factor,
+        kernel_d2h_gbps=None if self.kernel_d2h_gbps is None else self.kernel_d2h_gbps * factor,
+        kernel_h2d_gbps=None if self.kernel_h2d_gbps is None else self.kernel_h2d_gbps * factor)
 
   @property
   def plateau_gbps(self) -> float:
@@ -114,6 +122,7 @@ _TOP_NUMBERS = {  # field -> (lower bound, lower bound inclusive?, upper bound o
 _OPTIONAL_NUMBERS = {"host_memory_gb": (0.0, False, None)}
 _FLAGS = ("copies_overlap_compute", "pad_to_buckets")   # optional sourced booleans
 _LINK_NUMBERS = {"duplex_cap_gbps": (0.0, False, None), "launch_overhead_s": (0.0, True, None)}
+_LINK_OPTIONAL = {"kernel_d2h_gbps": (0.0, False, None), "kernel_h2d_gbps": (0.0, False, None)}
 _LINK_CURVES = ("d2h_gbps_by_segment", "h2d_gbps_by_segment")
 
 
@@ -179,20 +188,23 @@ def profile_from_dict(d: Mapping[str, Any], path: str = "<dict>") -> HardwarePro
   link = d["link"]
   if not isinstance(link, Mapping):
     raise ProfileError(f"{where}: link must be an object")
-  lknown = {"name"} | set(_LINK_NUMBERS) | set(_LINK_CURVES)
+  lrequired = {"name"} | set(_LINK_NUMBERS) | set(_LINK_CURVES)
+  lknown = lrequired | set(_LINK_OPTIONAL)
   unknown = sorted(set(link) - lknown)
   if unknown:
     raise ProfileError(f"{where}: unknown link field(s) {unknown}; known: {sorted(lknown)}")
-  missing = sorted(k for k in lknown if k not in link)
+  missing = sorted(k for k in lrequired if k not in link)
   if missing:
     raise ProfileError(f"{where}: missing link field(s) {missing}")
   if not isinstance(link["name"], str) or not link["name"]:
     raise ProfileError(f"{where}: link.name must be a non-empty string")
   lvals = {k: _sourced_number(link[k], f"link.{k}", b, where, sources) for k, b in _LINK_NUMBERS.items()}
+  lopt = {k: _sourced_number(link[k], f"link.{k}", b, where, sources) for k, b in _LINK_OPTIONAL.items()
+          if k in link}
   curves = {k: _sourced_curve(link[k], f"link.{k}", where, sources) for k in _LINK_CURVES}
   lp = LinkProfile(name=link["name"], d2h_curve=curves["d2h_gbps_by_segment"],
                    h2d_curve=curves["h2d_gbps_by_segment"], duplex_cap_gbps=lvals["duplex_cap_gbps"],
-                   launch_overhead_s=lvals["launch_overhead_s"])
+                   launch_overhead_s=lvals["launch_overhead_s"], **lopt)
   return HardwareProfile(name=name, description=description, link=lp, sources=sources, path=path, **values)
 
 

@@ -7,21 +7,21 @@ GB/s)``, the paper's Fig. 5 curves (docs/paper.md §5 rows 6-7). Between points 
 ``log(segment size)``; above the last point it stays at the plateau; below the first it falls in proportion
 to the size (a latency-bound copy takes constant time per segment).
 
-Modes, exactly as ``rotation/duplexkv.py`` runs them (docs/paper.md §4.3, Table 1), for ``n_out`` D2H blocks
-(swap-out + eager write-back pairs: both are D2H traffic) and ``n_in`` H2D blocks of ``block_bytes`` each:
+Modes, as ``rotation/duplexkv.py`` runs them (docs/duplexkv.md, docs/paper.md §4.3, Table 1), for ``n_out``
+D2H blocks (swap-out + eager write-back pairs: both are D2H traffic) and ``n_in`` H2D blocks of
+``block_bytes`` each (``B_out``, ``B_in`` bytes); ``L`` launch cost per direction:
 
 * ``naive``: one copy per layer x K/V x block, i.e. segments of ``block_bytes / (2 L)`` whatever the layout,
-  one at a time: ``t = launch + B_out / bw_d2h(seg) + launch + B_in / bw_h2d(seg)`` (D2H then H2D; the
-  per-copy costs are inside the curve, which is measured copy by copy).
-* ``merged``: batched per direction (one launch each), segments of the layout's ``segment_bytes``
-  (``block_bytes`` for block_first; ``block_bytes / (2 L)`` for layer_first, 2 L per block), D2H then H2D:
-  ``t = launch + B_out / bw_d2h(seg) + launch + B_in / bw_h2d(seg)``.
-* ``merged_kernel``: the ``merged`` formula. The engine's ``merged`` makes one copy and one gather/scatter
-  launch per block and ``merged_kernel`` one batched copy and launch per direction; the per-segment curve
-  is measured copy by copy, so it already holds the per-copy cost both share, and the launches saved by
-  the one-kernel path are not modelled: the two modes cost the same here.
-* ``duplex``: batched, both directions at once, limited by the duplex cap:
-  ``t = launch + max(B_out / bw_d2h(seg), B_in / bw_h2d(seg), (B_out + B_in) / duplex_cap)``.
+  one at a time: ``t = L + B_out / bw_d2h(seg) + L + B_in / bw_h2d(seg)`` (D2H then H2D; the per-copy
+  costs are inside the curve, which is measured copy by copy).
+* ``merged`` (merged segments): one copy per segment of the layout's ``segment_bytes`` (``block_bytes`` for
+  block_first; ``block_bytes / (2 L)`` for layer_first), D2H then H2D: the same formula at that ``seg``.
+* ``merged_kernel`` (merged kernels): one launch per direction moves the whole batch, D2H then H2D:
+  ``t = L + B_out / k_d2h + L + B_in / k_h2d``, where ``k`` is the link's kernel rate per direction
+  (``LinkProfile.kernel_*_gbps``) or, on a profile without one, the segment curve ``bw(seg)`` (the batch's
+  copies then run at the copy engines' per-segment rate, as ``merged``).
+* ``duplex``: as ``merged_kernel`` with both directions at once, limited by the duplex cap:
+  ``t = L + max(B_out / k_d2h, B_in / k_h2d, (B_out + B_in) / duplex_cap)``.
 
 A direction with no blocks costs nothing (no launch). How the time meets the model step (pipeline overlap)
 is the loop's business (``loop.py``): with the pipeline on, a plan's copies overlap the step in flight and
@@ -34,7 +34,8 @@ import math
 from typing import Sequence
 
 from superinfer_jax.kv.layout import KVCacheSpec
-from superinfer_jax.rotation.config import DUPLEX, MERGED, MODES, NAIVE  # noqa: F401 (the engine's names)
+from superinfer_jax.rotation.config import (DUPLEX, MERGED, MERGED_KERNEL, MODES,  # noqa: F401 (the engine's)
+                                            NAIVE)
 
 GB = 1e9
 
@@ -79,6 +80,14 @@ class TransferCost:
 NO_TRANSFER = TransferCost(0, 0, 0, 0, 0, 0.0, 0.0, 0.0)
 
 
+def kernel_rates(link, seg: int) -> tuple[float, float]:
+  """GB/s per direction of one launch moving a batch of ``seg``-byte segments (``merged_kernel`` / ``duplex``):
+  the link's kernel rates where the profile has them, else the segment curve at ``seg``."""
+  d2h = link.kernel_d2h_gbps if link.kernel_d2h_gbps is not None else curve_bandwidth(link.d2h_curve, seg)
+  h2d = link.kernel_h2d_gbps if link.kernel_h2d_gbps is not None else curve_bandwidth(link.h2d_curve, seg)
+  return d2h, h2d
+
+
 def transfer_cost(blocks_out: int, blocks_in: int, spec: KVCacheSpec, link, mode: str) -> TransferCost:
   """Time of ``blocks_out`` D2H and ``blocks_in`` H2D blocks of ``spec`` on ``link`` (a
   ``profiles.LinkProfile``) in DuplexKV ``mode`` (module docstring)."""
@@ -91,8 +100,12 @@ def transfer_cost(blocks_out: int, blocks_in: int, spec: KVCacheSpec, link, mode
   b_out = blocks_out * spec.block_bytes
   b_in = blocks_in * spec.block_bytes
   launch = link.launch_overhead_s
-  raw_out = b_out / (curve_bandwidth(link.d2h_curve, seg) * GB) if blocks_out else 0.0
-  raw_in = b_in / (curve_bandwidth(link.h2d_curve, seg) * GB) if blocks_in else 0.0
+  if mode in (MERGED_KERNEL, DUPLEX):
+    bw_out, bw_in = kernel_rates(link, seg)
+  else:
+    bw_out, bw_in = curve_bandwidth(link.d2h_curve, seg), curve_bandwidth(link.h2d_curve, seg)
+  raw_out = b_out / (bw_out * GB) if blocks_out else 0.0
+  raw_in = b_in / (bw_in * GB) if blocks_in else 0.0
   d2h = launch + raw_out if blocks_out else 0.0
   h2d = launch + raw_in if blocks_in else 0.0
   if mode == DUPLEX:
