@@ -16,14 +16,16 @@ Two sweeps, each timed per direction (``d2h``, ``h2d``) and with both directions
 directions for ``duplex`` (so ``gbps`` is the aggregate), plus ``case``, ``layout``, ``framework``,
 ``seconds`` (median), ``segments`` and, for the engine, ``engine_bytes`` (bytes its counters saw per rep).
 
+``--table1`` instead prints the paper's Table 1 for this machine (``rotation/link_bench.py``, docs/duplexkv.md).
+
 CPU (seconds):  python scripts/bench_transfer.py --json --max_segment_mb=0.25 --total_mb=1 --reps=1 \
                   --models=smollm2-135m --kv_blocks=2
 GPU (device_check.sh):  python scripts/bench_transfer.py --json --max_segment_mb=64
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-import statistics
 import sys
 import time
 
@@ -34,7 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from superinfer_jax.kv.layout import KVCacheSpec
-from superinfer_jax.rotation import DuplexKV
+from superinfer_jax.rotation import MODES, DuplexKV
+from superinfer_jax.rotation.link_bench import (blocks_that_fit, format_table1, measure_table1, median_time,
+                                                time_torch)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("json", False, "Print one JSON object per measurement (else a table).")
@@ -42,7 +46,8 @@ flags.DEFINE_float("min_segment_kb", 64, "Smallest segment of the segment sweep 
 flags.DEFINE_float("max_segment_mb", 64, "Largest segment of the segment sweep (MiB); bounds the sweep.")
 flags.DEFINE_float("total_mb", 1024, "Bytes per direction per segment-sweep measurement (MiB).")
 flags.DEFINE_integer("max_segments", 2048, "At most this many segments per segment-sweep measurement.")
-flags.DEFINE_list("modes", ["naive", "merged", "duplex"], "Transfer modes.")
+flags.DEFINE_list("modes", ["naive", "merged", "duplex"], "Transfer modes of the sweeps (any of "
+                  f"{', '.join(MODES)}); --table1 runs every mode.")
 flags.DEFINE_list("models", ["smollm2-135m", "llama3-8b", "qwen2.5-32b"], "KV block shapes (empty: none).")
 flags.DEFINE_list("kv_layouts", ["block_first", "layer_first"], "Cache layouts for the KV-shape sweep.")
 flags.DEFINE_integer("kv_blocks", 128, "Blocks per direction per KV-shape measurement.")
@@ -51,6 +56,12 @@ flags.DEFINE_integer("reps", 5, "Timed repetitions per measurement (the median i
 flags.DEFINE_integer("warmup", 1, "Untimed repetitions first (compilation, allocator warm-up).")
 flags.DEFINE_bool("torch", True, "On GPU, also time torch pinned-memory copies of the same bytes.")
 flags.DEFINE_float("time_budget_s", 100, "Skip the remaining measurements after this many seconds.")
+flags.DEFINE_bool("table1", False, "Instead of the sweeps: the paper's Table 1 (every mode moving --table1_tokens "
+                  "of --table1_model KV each way, block-first bf16, beside torch pinned copies on a GPU).")
+flags.DEFINE_string("table1_model", "qwen2.5-32b", "KV shape of --table1 (a key of MODELS).")
+flags.DEFINE_integer("table1_tokens", 32768, "Tokens per direction of --table1 (the paper's 32768), cut to what "
+                     "half the device memory holds (the report says so).")
+flags.DEFINE_string("table1_out", "", "--table1 also writes <this>.md and <this>.json.")
 
 # (layers, kv heads, head dim) of the KV caches in docs/paper.md §5; block 16, bf16.
 MODELS = {
@@ -78,14 +89,7 @@ def _emit(rows: list, **row) -> None:
 
 
 def _time(fn) -> float:
-  for _ in range(FLAGS.warmup):
-    fn()
-  times = []
-  for _ in range(max(1, FLAGS.reps)):
-    t = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t)
-  return statistics.median(times)
+  return median_time(fn, FLAGS.reps, FLAGS.warmup)
 
 
 # ------------------------------------------------------------------------------------------ segment sweep
@@ -148,40 +152,14 @@ def _torch_cuda():
 
 def _torch_sweep(rows: list, torch, seg: int, n: int, case: str = "segments") -> None:
   """Torch baseline: n segments of seg bytes, pinned host tensors, one stream per direction."""
-  dev = [torch.full((seg,), i % 251, dtype=torch.uint8, device="cuda") for i in range(n)]
-  host = [torch.empty((seg,), dtype=torch.uint8, pin_memory=True) for _ in range(n)]
-  host_src = [torch.full((seg,), i % 251, dtype=torch.uint8).pin_memory() for i in range(n)]
-  dev_dst = [torch.empty((seg,), dtype=torch.uint8, device="cuda") for _ in range(n)]
-  s_out, s_in = torch.cuda.Stream(), torch.cuda.Stream()
-  torch.cuda.synchronize()
-
-  def d2h():
-    with torch.cuda.stream(s_out):
-      for h, d in zip(host, dev):
-        h.copy_(d, non_blocking=True)
-    s_out.synchronize()
-
-  def h2d():
-    with torch.cuda.stream(s_in):
-      for d, h in zip(dev_dst, host_src):
-        d.copy_(h, non_blocking=True)
-    s_in.synchronize()
-
-  def both():
-    for i in range(n):
-      with torch.cuda.stream(s_out):
-        host[i].copy_(dev[i], non_blocking=True)
-      with torch.cuda.stream(s_in):
-        dev_dst[i].copy_(host_src[i], non_blocking=True)
-    s_out.synchronize()
-    s_in.synchronize()
-
-  for direction, fn in (("d2h", d2h), ("h2d", h2d), ("duplex", both)):
-    if _out_of_time():
-      return
+  if _out_of_time():
+    return
+  times = time_torch(torch, seg, n, FLAGS.reps, FLAGS.warmup)
+  for direction, seconds in times.items():
+    direction = "duplex" if direction == "both" else direction
     nbytes = n * seg * (2 if direction == "duplex" else 1)
     _emit(rows, framework="torch", case=case, layout="-", mode="torch", direction=direction,
-          segment_bytes=seg, total_bytes=nbytes, segments=n, seconds=_time(fn))
+          segment_bytes=seg, total_bytes=nbytes, segments=n, seconds=seconds)
 
 
 # ------------------------------------------------------------------------------------------ KV shapes
@@ -226,9 +204,34 @@ def _kv_sweep(rows: list, model: str, layout: str, torch) -> None:
     _torch_sweep(rows, torch, spec.block_bytes, FLAGS.kv_blocks, case=model)
 
 
+def _table1(torch) -> None:
+  """The paper's Table 1 on this machine (``rotation/link_bench.py``): prints and writes the report."""
+  layers, heads, dim = MODELS[FLAGS.table1_model]
+  spec = KVCacheSpec(layers, heads, dim, 16, "bfloat16", "block_first")
+  n, note = blocks_that_fit(spec, FLAGS.table1_tokens)
+  rows = measure_table1(spec, n, reps=FLAGS.reps, warmup=FLAGS.warmup, naive_max_blocks=FLAGS.naive_max_blocks,
+                        torch=torch, out_of_time=_out_of_time)
+  dev = jax.devices()[0]
+  title = (f"Table 1 on {dev.device_kind} ({dev.platform}): {FLAGS.table1_model} KV, {n} blocks of "
+           f"{spec.block_bytes / 2**20:.2f} MiB = {n * spec.block_bytes / 2**30:.3f} GiB each way"
+           f"{'; ' + note if note else ''}; torch: {'pinned copies' if torch is not None else 'n/a'}")
+  text = format_table1(rows, title)
+  print(text, flush=True)
+  if FLAGS.table1_out:
+    with open(FLAGS.table1_out + ".md", "w", encoding="utf-8") as f:
+      f.write(text)
+    with open(FLAGS.table1_out + ".json", "w", encoding="utf-8") as f:
+      json.dump({"title": title, "model": FLAGS.table1_model, "blocks": n, "block_bytes": spec.block_bytes,
+                 "tokens_requested": FLAGS.table1_tokens, "note": note,
+                 "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+  if FLAGS.json:
+    for r in rows:
+      print(json.dumps({"case": "table1", **dataclasses.asdict(r)}), flush=True)
+
+
 def main(argv):
   del argv
-  bad = set(FLAGS.modes) - {"naive", "merged", "duplex"}
+  bad = set(FLAGS.modes) - set(MODES)
   if bad or set(FLAGS.models) - set(MODELS):
     sys.exit(f"unknown modes {sorted(bad)} or models {sorted(set(FLAGS.models) - set(MODELS))}")
   dev = jax.devices()[0]
@@ -237,6 +240,9 @@ def main(argv):
   torch = _torch_cuda() if dev.platform == "gpu" else None
   if not FLAGS.json:
     print(f"jax {jax.__version__} on {dev} ({dev.platform}); torch baseline: {torch is not None}")
+  if FLAGS.table1:
+    _table1(torch)
+    return
   rows: list = []
   for seg in _segment_sizes():
     if _out_of_time():

@@ -10,7 +10,8 @@ code and log tail, and the rest still run):
   2. ``attention``: ``scripts/bench_attention.py --tune`` (a bounded sweep of the Pallas kernel's tunables for
      the decode and mixed shapes, written into ``<out>/ragged_paged_attention.json``), then the bench with that
      table: Pallas vs jnp reference vs JAX's paged attention, GB/s, % of HBM peak, traffic analysis.
-  3. ``transfer``: ``scripts/bench_transfer.py --json`` (DuplexKV modes vs torch pinned copies).
+  3. ``transfer``: ``scripts/bench_transfer.py --json`` (DuplexKV modes vs torch pinned copies), then its
+     ``--table1`` report (the paper's Table 1 shape; ``table1.md`` / ``table1.json`` in ``--out``).
   4. ``engine``: ``scripts/bench_engine.py --random_weights`` on Llama-3-8B's shape in bf16 at batch 1 / 32 / 64,
      the zero-bubble engine and transformers side by side: per batch decode tok/s, ms/step, dispatch ms and
      device idle ms per step, the speedup, and the weight-stream bound (weight bytes / the card's memory
@@ -50,6 +51,7 @@ def _settings(dry: bool) -> dict:
                            "--dry_run", "--tune_budget_s=60"],
                 transfer=["--models=smollm2-135m", "--kv_blocks=2", "--reps=1", "--max_segment_mb=0.25",
                           "--total_mb=1", "--modes=merged,duplex", "--kv_layouts=block_first"],
+                table1=["--table1_model=smollm2-135m", "--table1_tokens=64", "--reps=1", "--naive_max_blocks=2"],
                 calibrate=["--decode_batches=1", "--decode_contexts=16", "--prefill_chunks=16",
                            "--transfer_blocks=1", "--naive_blocks=1", "--repeats=1", "--warmup=1",
                            "--num_device_blocks=32", "--max_num_batched_tokens=16", "--max_num_seqs=2",
@@ -58,6 +60,7 @@ def _settings(dry: bool) -> dict:
   return dict(model="llama-3-8b", dtype="bfloat16", batches="1,32,64", prompt_len=256, max_tokens=32, blocks=8192,
               attention=["--context_lens=2048,8192", "--tune", f"--tune_budget_s={ATTENTION_TUNE_BUDGET_S}",
                          "--min_time_s=0.1"], transfer=["--max_segment_mb=64", "--time_budget_s=60"],
+              table1=["--reps=3", "--naive_max_blocks=16", "--time_budget_s=90"],
               calibrate=["--model=llama-3-8b", "--dtype=bfloat16"], pytest=[], timeout=150)
 
 
@@ -111,8 +114,15 @@ def stage_attention(s, env) -> dict:
 
 
 def stage_transfer(s, env) -> dict:
+  """The segment / KV-shape sweeps, then the paper's Table 1 (Qwen2.5-32B KV, every mode beside torch)."""
   r = _run("transfer", [sys.executable, "scripts/bench_transfer.py", "--json"] + s["transfer"], s["timeout"], env)
-  return {"rc": r["rc"], "results": _rows(r["output"])}
+  prefix = os.path.join(FLAGS.out, "table1")
+  # No preallocation: torch's copies of the same bytes need device memory beside JAX's in one process.
+  t1 = _run("transfer_table1", [sys.executable, "scripts/bench_transfer.py", "--table1",
+                                f"--table1_out={prefix}"] + s["table1"], s["timeout"],
+            dict(env, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
+  table1 = json.load(open(prefix + ".json", encoding="utf-8")) if os.path.exists(prefix + ".json") else {}
+  return {"rc": r["rc"] or t1["rc"], "results": _rows(r["output"]), "table1": table1}
 
 
 def _rows(text: str) -> list:

@@ -24,6 +24,9 @@ def test_device_check_dry_run_writes_every_stage(tmp_path):
   assert {e["key"]["card"] for e in tuned} >= {"cpu"}
   assert all(r["tuning"]["reason"] == "exact" for r in d["attention"]["results"] if r["impl"] == "pallas")
   assert {r["mode"] for r in d["transfer"]["results"]} >= {"merged", "duplex"}
+  assert [r["mode"] for r in d["transfer"]["table1"]["rows"]] == ["naive", "merged", "merged_kernel", "duplex",
+                                                                   "ideal"]
+  assert (tmp_path / "table1.md").exists()
   for b in ("1", "2"):
     row = d["engine"]["by_batch"][b]
     assert row["engine_tok_s"] > 0 and row["transformers_tok_s"] > 0 and row["engine_ms_per_step"] > 0
