@@ -179,3 +179,25 @@ def test_random_arrivals_aborts_and_stops(model, policy, pipeline):
                                  else "length")
   assert eng.block_manager.num_requests == 0
   assert eng.block_manager.num_free_device_blocks == 16 and eng.block_manager.num_free_host_blocks == 256
+
+
+@pytest.mark.parametrize("mode", ["duplex", "merged"])
+def test_transfer_report_per_step(model, reference, mode):
+  """The engine reports bytes moved and copy time hidden vs exposed per step: its bytes are the blocks the
+  stats counted, hidden + exposed = copy time, and a serialized mode hides nothing (it waits in issue())."""
+  prompts, ref = reference
+  eng = _engine(model, policy="rotasched", num_device_blocks=18, transfer_mode=mode)
+  assert [o.token_ids for o in eng.generate(prompts, SP)] == ref
+  rep = eng.transfer_report()
+  st, bb = eng.stats, eng.kv_spec.block_bytes
+  assert rep["steps"] == st.steps > 0
+  assert rep["bytes_out"] == (st.blocks_out + st.blocks_writeback) * bb > 0
+  assert rep["bytes_in"] == st.blocks_in * bb > 0
+  assert rep["bytes_per_step"] == pytest.approx((rep["bytes_out"] + rep["bytes_in"]) / st.steps)
+  assert rep["copy_time_s"] > 0
+  assert rep["exposed_time_per_step_ms"] == pytest.approx(1e3 * rep["exposed_time_s"] / st.steps)
+  if mode == "merged":   # every issue() returns with its copies landed: all of it exposed
+    assert rep["exposed_time_s"] == pytest.approx(rep["copy_time_s"]) and rep["hidden_share"] == pytest.approx(0.0)
+  else:
+    assert rep["hidden_time_s"] == pytest.approx(max(0.0, rep["copy_time_s"] - rep["exposed_time_s"]))
+    assert 0.0 <= rep["hidden_share"] <= 1.0

@@ -146,6 +146,30 @@ class LLMEngine:
                         lambda self, probe: setattr(self.loop, "idle_probe", probe),
                         doc="The ``DeviceIdleProbe`` told of every dispatch and read-back, or None.")
 
+  def transfer_report(self) -> dict:
+    """What rotation has moved and how much of its copy time the host saw, in total and per planned step.
+
+    Keys: ``steps``; ``bytes_out`` / ``bytes_in`` (D2H incl. write-back / H2D) and ``bytes_per_step``;
+    ``copy_time_s`` (issue -> landed, summed over copy groups), ``exposed_time_s`` (host blocked on copies)
+    and ``hidden_time_s`` (the rest), each also ``*_per_step_ms``; ``hidden_share`` (hidden / copy, None
+    before any copy landed). Read from the runner's ``DuplexKV.stats`` (``rotation/stats.py``); a runner
+    without one (no host pool, a fake) reports zero times. Polls the copies first (never blocks).
+    """
+    duplex = getattr(self.runner, "duplex", None)
+    copy_s = exposed_s = 0.0
+    if duplex is not None:
+      duplex.poll()
+      copy_s, exposed_s = duplex.stats.copy_time_s, duplex.stats.blocked_time_s
+    st = self.loop.stats
+    steps = max(st.steps, 1)
+    hidden_s = max(0.0, copy_s - exposed_s)
+    return {"steps": st.steps, "bytes_out": st.bytes_out, "bytes_in": st.bytes_in,
+            "bytes_per_step": (st.bytes_out + st.bytes_in) / steps,
+            "copy_time_s": copy_s, "exposed_time_s": exposed_s, "hidden_time_s": hidden_s,
+            "copy_time_per_step_ms": 1e3 * copy_s / steps, "exposed_time_per_step_ms": 1e3 * exposed_s / steps,
+            "hidden_time_per_step_ms": 1e3 * hidden_s / steps,
+            "hidden_share": hidden_s / copy_s if copy_s > 0 else None}
+
   # ---------------------------------------------------------------------------------------- requests
   def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None, *,
                   request_id: Optional[str] = None, ttft_slo: Optional[float] = None,

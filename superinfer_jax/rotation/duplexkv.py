@@ -223,8 +223,9 @@ class DuplexKV:
       cache = self._scatter(cache, dsts, incoming)      # donates cache: after the gather
       self.clock.add(t0, on_host + incoming)
     else:
+      blocked0 = self.stats.blocked_time_s
       cache = self._serial_issue(cache, devs, hosts, srcs, dsts)
-      self.clock.add(t0, [])
+      self.clock.add_serial(t0, blocked0)
     st, bb = self.stats, self.spec.block_bytes
     st.issues += 1
     st.blocks_out += len(d2h)

@@ -6,8 +6,8 @@ Times are host wall-clock seconds (``time.perf_counter``). Two per issue() call 
   (every destination array ``is_ready()``). Serialized modes wait inside ``issue()``, so their groups end
   there exactly; a ``duplex`` group is closed by the first ``poll()`` that finds it landed, so its time is an
   upper bound with the resolution of the caller's poll interval (the engine polls once a step).
-* ``blocked_time_s`` (exposed on the host): time the caller's thread sat blocked on copies: the waits inside
-  ``issue()`` of the serialized modes and ``wait()`` calls. ``copy_time_s - blocked_time_s`` is the hidden
+* ``blocked_time_s`` (exposed on the host): time the caller's thread sat occupied by copies: the whole
+  ``issue()`` of a serialized mode (it returns only once its copies landed) and ``wait()`` calls. ``copy_time_s - blocked_time_s`` is the hidden
   part. A device-side stall (a model step queued behind an H2D copy it reads) is not visible here; it shows
   in the caller's wait for the step's outputs.
 
@@ -84,6 +84,14 @@ class InFlight:
     t = time.perf_counter()
     jax.block_until_ready(arrays)
     self.stats.blocked_time_s += time.perf_counter() - t
+
+  def add_serial(self, t_start: float, blocked_before: float) -> None:
+    """Books a serialized issue() that started at ``t_start`` and has just returned with its copies landed:
+    the whole span is copy time and exposed (replacing the waits booked inside it since the stats read
+    ``blocked_before``)."""
+    now = time.perf_counter()
+    self._land(t_start, now)
+    self.stats.blocked_time_s = blocked_before + (now - t_start)
 
   def wait(self) -> None:
     """Blocks until every group has landed (blocked time booked), then closes them all."""
