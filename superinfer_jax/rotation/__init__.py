@@ -5,7 +5,7 @@
 from superinfer_jax.rotation.config import DUPLEX, MERGED, MERGED_KERNEL, MODES, NAIVE, SERIAL_MODES, RotationConfig
 
 _LAZY = {"DuplexKV": "duplexkv", "TransferStats": "stats", "bucket_size": "duplexkv",
-         "read_device_block": "duplexkv"}
+         "read_device_block": "memory"}
 
 
 def __getattr__(name):

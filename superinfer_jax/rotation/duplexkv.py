@@ -55,6 +55,7 @@ from superinfer_jax.rotation import kernels, segment_copies
 from superinfer_jax.rotation.checks import as_pairs, check_host_id, validate_step
 from superinfer_jax.rotation.config import (DUPLEX, MERGED, MERGED_KERNEL, MODES, NAIVE,  # noqa: F401
                                             SERIAL_MODES)
+from superinfer_jax.rotation.memory import check_memory_kind
 from superinfer_jax.rotation.stats import InFlight, TransferStats  # noqa: F401 (re-exported)
 from superinfer_jax.util import next_power_of_2
 
@@ -110,7 +111,7 @@ class DuplexKV:
       sharding = jax.sharding.SingleDeviceSharding(self.device)
     else:
       self.device = min(sharding.device_set, key=lambda d: d.id)
-    _check_memory_kind(sharding, host_memory_kind)
+    check_memory_kind(sharding, host_memory_kind)
     self.host_memory_kind = host_memory_kind
     self.device_sharding = sharding.with_memory_kind(self.device.default_memory().kind)
     self.host_sharding = sharding.with_memory_kind(host_memory_kind)
@@ -391,21 +392,3 @@ class DuplexKV:
       self.stats.batches_in += 1
     self.stats.segments_in += len(hosts)
     return arrays  # type: ignore[return-value]
-
-
-def _check_memory_kind(sharding: jax.sharding.Sharding, kind: str) -> None:
-  """``ValueError`` unless every local device of ``sharding`` has memory kind ``kind``."""
-  for d in sharding.device_set:
-    if d.process_index != jax.process_index():
-      continue
-    kinds = {m.kind for m in d.addressable_memories()}
-    if kind not in kinds:
-      raise ValueError(f"{d} has no {kind!r} memory (has {sorted(kinds)})")
-
-
-def read_device_block(cache: jax.Array, spec: KVCacheSpec, block_id: int) -> np.ndarray:
-  """Block ``block_id`` of a device cache as numpy ``[L, 2, BS, H, D]`` (tests, debugging; copies the cache)."""
-  arr = np.asarray(cache)
-  if spec.block_axis == 0:
-    return arr[block_id]
-  return arr[:, :, block_id]
