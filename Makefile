@@ -25,9 +25,15 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not heavy" tests
 
-# Main job: fcfs vs rotasched on real SmolLM2 + real ShareGPT prompts (configs/experiments/main.flags).
+# Main job: fcfs vs rotasched on real SmolLM2 + real ShareGPT prompts (configs/experiments/main.flags); where
+# this venv's JAX sees a GPU, the contended GPU experiment and the simulator held to it (gpu.flags) instead.
 run: $(STAMP)
-	$(PY) scripts/run_experiment.py --flagfile=configs/experiments/main.flags
+	@if [ "$$(JAX_PLATFORMS= $(PY) -c 'import jax; print(jax.default_backend())' 2>/dev/null)" = gpu ]; then \
+	  echo "GPU found: configs/experiments/gpu.flags"; \
+	  JAX_PLATFORMS= $(PY) scripts/run_experiment.py --flagfile=configs/experiments/gpu.flags; \
+	else \
+	  $(PY) scripts/run_experiment.py --flagfile=configs/experiments/main.flags; \
+	fi
 
 # A quick real completion from SmolLM2 (the engine end to end, no experiment).
 generate: $(STAMP)

@@ -18,6 +18,8 @@ code and log tail, and the rest still run):
      bandwidth) with the engine's step time over it.
   5. ``calibration``: ``scripts/calibrate.py`` writes a hardware profile the simulator loads
      (``--hardware=<path>``); the JSON holds its path and contents.
+  6. ``experiment``: ``scripts/run_experiment.py --flagfile=configs/experiments/gpu.flags`` (the contended GPU
+     experiment, real vs simulated; docs/gpu_experiment.md) into ``<out>/gpu_experiment``.
 The JSON (``device_check.json`` under ``--out``) has the same keys in both modes; ``dry_run`` says which.
 """
 import json
@@ -34,7 +36,8 @@ sys.path.insert(0, ROOT)
 
 flags.DEFINE_string("out", "out", "directory for device_check.json, the profile and each stage's log")
 flags.DEFINE_bool("dry_run", False, "CPU: the tiny model and small shapes through the same stages")
-flags.DEFINE_list("stages", ["gpu_tests", "attention", "transfer", "engine", "calibration"], "stages to run")
+flags.DEFINE_list("stages", ["gpu_tests", "attention", "transfer", "engine", "calibration", "experiment"],
+                  "stages to run")
 FLAGS = flags.FLAGS
 # Wall-clock budget of the attention stage's --tune sweep (the bench after it adds about a stage timeout).
 ATTENTION_TUNE_BUDGET_S = 120
@@ -56,12 +59,13 @@ def _settings(dry: bool) -> dict:
                            "--transfer_blocks=1", "--naive_blocks=1", "--repeats=1", "--warmup=1",
                            "--num_device_blocks=32", "--max_num_batched_tokens=16", "--max_num_seqs=2",
                            "--token_bucket_floor=8", "--seq_bucket_floor=2"],
+                experiment=["--flagfile=configs/experiments/gpu_tiny.flags"],
                 pytest=["-k", "lowering"], timeout=300)
   return dict(model="llama-3-8b", dtype="bfloat16", batches="1,32,64", prompt_len=256, max_tokens=32, blocks=8192,
               attention=["--context_lens=2048,8192", "--tune", f"--tune_budget_s={ATTENTION_TUNE_BUDGET_S}",
                          "--min_time_s=0.1"], transfer=["--max_segment_mb=64", "--time_budget_s=60"],
               table1=["--reps=3", "--naive_max_blocks=16", "--time_budget_s=90"],
-              calibrate=["--model=llama-3-8b", "--dtype=bfloat16"], pytest=[], timeout=150)
+              calibrate=["--model=llama-3-8b", "--dtype=bfloat16"], experiment=[], pytest=[], timeout=150)
 
 
 def _run(name: str, cmd: list, timeout: float, env: dict) -> dict:
@@ -179,6 +183,17 @@ def stage_calibration(s, env) -> dict:
   return {"rc": r["rc"], "profile_path": path, "profile": profile}
 
 
+def stage_experiment(s, env) -> dict:
+  """configs/experiments/gpu.flags (the contended experiment, real vs simulated; gpu_tiny.flags on a dry run):
+  its table, JSON and plots land in ``<out>/gpu_experiment``."""
+  out = os.path.join(FLAGS.out, "gpu_experiment")
+  r = _run("experiment", [sys.executable, "scripts/run_experiment.py", "--flagfile=configs/experiments/gpu.flags"]
+           + s["experiment"] + [f"--output_dir={out}", "--noprogress"], 2 * s["timeout"], env)
+  path = os.path.join(out, "real_vs_sim.json")
+  doc = json.load(open(path, encoding="utf-8")) if os.path.exists(path) else {}
+  return {"rc": r["rc"], "output_dir": out, "entries": doc.get("entries", []), "plots": doc.get("plots", [])}
+
+
 def main(argv):
   del argv
   os.makedirs(FLAGS.out, exist_ok=True)
@@ -194,7 +209,7 @@ def main(argv):
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
   stages = {"gpu_tests": lambda: stage_gpu_tests(s, env), "attention": lambda: stage_attention(s, env),
             "transfer": lambda: stage_transfer(s, env), "engine": lambda: stage_engine(s, env, card),
-            "calibration": lambda: stage_calibration(s, env)}
+            "calibration": lambda: stage_calibration(s, env), "experiment": lambda: stage_experiment(s, env)}
   unknown = set(FLAGS.stages) - set(stages)
   if unknown:
     raise app.UsageError(f"--stages: unknown {sorted(unknown)}; choose from {sorted(stages)}")

@@ -30,7 +30,8 @@ class SweepSpec:
   num_requests: int = knob(32, "requests per run")
   rps: str = knob("1", "comma list of request rates (requests/s); inf = all at once (ignored with "
                        "--calibrate, which derives one)")
-  policies: str = knob("fcfs,rotasched", "comma list of scheduling policies")
+  policies: str = knob("fcfs,rotasched", "comma list of scheduling policies; 'name[setting=value,...]' runs that "
+                                        "policy with its own engine settings (e.g. rotasched[proactive_swap_budget=8])")
   vary: str = knob("", "engine settings to sweep, 'name:v1,v2' items joined by ';' (cartesian product), "
                        "e.g. 'transfer_mode:naive,merged,duplex' or 'alpha:1,3;beta_b:-10,0'")
   repeats: int = knob(1, "timed runs per (policy, variant, rps), in alternating order")
@@ -68,6 +69,7 @@ class SweepSpec:
       raise ValueError(f"drift_tolerance and cpu_share_tolerance must be > 1, got {self.drift_tolerance}, "
                        f"{self.cpu_share_tolerance}")
     self.variants  # parses --vary (ValueError on a bad item)
+    self.arms  # parses the policies' own settings
 
   def make_workload(self, tokenizer, rps: float, *, max_total_len: int, vocab_size: int):
     """This sweep's workload at ``rps``: the same requests at every rate (only the arrivals differ)."""
@@ -79,8 +81,31 @@ class SweepSpec:
                          synthetic_output_len=self.synthetic_output_len, vocab_size=vocab_size)
 
   @property
+  def policy_entries(self) -> list[str]:
+    """The ``policies`` items as written (a name, or ``name[setting=value,...]``); commas inside brackets do
+    not split."""
+    items, depth, cur = [], 0, ""
+    for ch in self.policies:
+      depth += (ch == "[") - (ch == "]")
+      if ch == "," and depth == 0:
+        items.append(cur)
+        cur = ""
+      else:
+        cur += ch
+    items.append(cur)
+    return [p.strip() for p in items if p.strip()]
+
+  @property
   def policy_names(self) -> list[str]:
-    return [p.strip() for p in self.policies.split(",") if p.strip()]
+    """The scheduling policy of each ``policy_entries`` item (its name, without settings)."""
+    return [parse_policy_entry(p)[0] for p in self.policy_entries]
+
+  @property
+  def arms(self) -> list[tuple[str, dict[str, str]]]:
+    """Every (policy, variant) to run, in order: each policy entry crossed with ``variants``, the entry's own
+    settings applied over the variant's (``ValueError`` on a malformed entry)."""
+    return [(name, {**v, **own}) for name, own in map(parse_policy_entry, self.policy_entries)
+            for v in self.variants]
 
   @property
   def rps_values(self) -> list[float]:
@@ -99,6 +124,23 @@ class SweepSpec:
         raise ValueError(f"--vary item {item!r} is not 'name:v1,v2,...'")
       axes.append([(name.strip(), v) for v in vals])
     return [dict(combo) for combo in itertools.product(*axes)] if axes else [{}]
+
+
+def parse_policy_entry(entry: str) -> tuple[str, dict[str, str]]:
+  """``"rotasched"`` -> ("rotasched", {}); ``"rotasched[proactive_swap_budget=8]"`` -> ("rotasched",
+  {"proactive_swap_budget": "8"}) (the inverse of ``variant_label``). ``ValueError`` on a malformed entry."""
+  name, sep, rest = entry.partition("[")
+  if not sep:
+    return entry.strip(), {}
+  if not rest.endswith("]") or not name.strip():
+    raise ValueError(f"policy {entry!r} is not 'name' or 'name[setting=value,...]'")
+  settings = {}
+  for item in rest[:-1].split(","):
+    key, eq, value = item.partition("=")
+    if not eq or not key.strip() or not value.strip():
+      raise ValueError(f"policy {entry!r}: {item!r} is not 'setting=value'")
+    settings[key.strip()] = value.strip()
+  return name.strip(), settings
 
 
 def variant_label(policy: str, variant: dict[str, str]) -> str:

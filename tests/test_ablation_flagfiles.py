@@ -16,7 +16,10 @@ import pytest
 from superinfer_jax.metrics.results import read_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLAGFILES = sorted(glob.glob(os.path.join(ROOT, "configs", "experiments", "*.flags")))
+# gpu.flags (real vs simulated, its own output layout) and its CPU-scale overlay gpu_tiny.flags are run by
+# tests/test_gpu_experiment.py.
+FLAGFILES = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "experiments", "*.flags"))
+                   if not os.path.basename(p).startswith("gpu"))
 ABLATION_KNOBS = ("proactive_swap_budget", "alpha", "beta_f", "beta_b", "writeback", "pipeline",
                   "transfer_mode", "kv_layout", "proactive_recompute", "min_residency")
 TINY = ["--dataset=synthetic", "--num_requests=6", "--synthetic_prompt_len=uniform:10,40",

@@ -15,7 +15,7 @@ def test_device_check_dry_run_writes_every_stage(tmp_path):
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   d = json.loads((tmp_path / "device_check.json").read_text())
   assert d["dry_run"] is True and d["platform"] == "cpu"
-  for stage in ("gpu_tests", "attention", "transfer", "engine", "calibration"):
+  for stage in ("gpu_tests", "attention", "transfer", "engine", "calibration", "experiment"):
     assert d[stage]["rc"] == 0, (stage, (tmp_path / f"{stage}.log").read_text()[-2000:])
   assert d["gpu_tests"]["passed"] > 0 and d["gpu_tests"]["failed"] == 0
   assert {r["impl"] for r in d["attention"]["results"]} >= {"pallas", "reference"}
@@ -27,6 +27,7 @@ def test_device_check_dry_run_writes_every_stage(tmp_path):
   assert [r["mode"] for r in d["transfer"]["table1"]["rows"]] == ["naive", "merged", "merged_kernel", "duplex",
                                                                    "ideal"]
   assert (tmp_path / "table1.md").exists()
+  assert len(d["experiment"]["entries"]) == 7 and all(os.path.exists(p) for p in d["experiment"]["plots"])
   for b in ("1", "2"):
     row = d["engine"]["by_batch"][b]
     assert row["engine_tok_s"] > 0 and row["transformers_tok_s"] > 0 and row["engine_ms_per_step"] > 0

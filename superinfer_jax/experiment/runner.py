@@ -77,8 +77,8 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None,
   """
   from superinfer_jax.engine.engine import LLMEngine  # pylint: disable=import-outside-toplevel
   variants = spec.variants
-  for v in variants:
-    apply_variant(engine_config, v)  # fail before any work on a bad --vary
+  for _, v in spec.arms:
+    apply_variant(engine_config, v)  # fail before any work on a bad --vary or policy setting
   fresh_output_dir(spec.output_dir)
   if model_tuple is None:
     from superinfer_jax.model import load_model, load_tokenizer  # pylint: disable=import-outside-toplevel
@@ -115,7 +115,9 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None,
   warm_steps: list[float] = []
   warm_cpu_share = None
   if spec.warmup or spec.calibrate:
-    n, warm_steps, warm_cpu_share = _warm_up(model_tuple, apply_variant(engine_config.replace(policy=policies[0]), variants[0]),
+    first_policy, first_variant = spec.arms[0]
+    n, warm_steps, warm_cpu_share = _warm_up(model_tuple, apply_variant(engine_config.replace(policy=first_policy),
+                                                                        first_variant),
                              base, spec.progress)
     engine_config = engine_config.replace(num_device_blocks=n)
     gc.collect()
@@ -146,7 +148,7 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None,
   rows = []
   run_index = 0
   for rps in rps_values:
-    arms = [(p, v) for p in policies for v in variants]
+    arms = spec.arms
     for repeat, (policy, variant) in calib.interleaved_order(arms, spec.repeats):
       label = variant_label(policy, variant)
       config = apply_variant(engine_config.replace(policy=policy), variant)

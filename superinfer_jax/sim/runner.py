@@ -206,27 +206,26 @@ def run_sim_sweep(spec: SweepSpec, engine_config, sim_config: SimConfig, *, log=
   run_index = 0
   for rps in rps_values:
     requests = workload_at(rps)
-    for policy in spec.policy_names:
-      for variant in variants:
-        label = variant_label(policy, variant)
-        eng_v, sim_v = split_variant(variant)
-        setup = resolve_run(apply_variant(engine_config.replace(policy=policy), eng_v),
-                            apply_variant(sim_config, sim_v), spec.model)
-        res = simulate(requests, setup.engine_config, setup.cost, progress=spec.progress,
-                       desc=f"{label} @ {rps:.3g} rps", time_limit_s=spec.time_limit_s)
-        row = _row(spec, setup, res, label, policy, variant, rps, run_index)
-        if rps in time_scale:
-          row["trace_time_scale"] = time_scale[rps]
-        row.update(row_tags or {})
-        append_results_row(results_path, row)
-        write_timelines(os.path.join(spec.output_dir, requests_filename(label, rps)), res.timelines)
-        rows.append(row)
-        run_index += 1
-        if spec.progress:
-          log(f"[{label} @ {rps:.3g} rps] finished {row['num_finished']}/{row['num_requests']}, SLO attainment "
-              f"{row['slo_attainment']:.2f}, rotations {row['num_rotations']} ({row['rotations_per_step']:.2f}"
-              f"/step), exposed transfer {row['exposed_transfer_s']:.3f} s of {row['duration_s']:.1f} s "
-              f"simulated, {res.wall_s:.1f} s wall")
+    for policy, variant in spec.arms:
+      label = variant_label(policy, variant)
+      eng_v, sim_v = split_variant(variant)
+      setup = resolve_run(apply_variant(engine_config.replace(policy=policy), eng_v),
+                          apply_variant(sim_config, sim_v), spec.model)
+      res = simulate(requests, setup.engine_config, setup.cost, progress=spec.progress,
+                     desc=f"{label} @ {rps:.3g} rps", time_limit_s=spec.time_limit_s)
+      row = _row(spec, setup, res, label, policy, variant, rps, run_index)
+      if rps in time_scale:
+        row["trace_time_scale"] = time_scale[rps]
+      row.update(row_tags or {})
+      append_results_row(results_path, row)
+      write_timelines(os.path.join(spec.output_dir, requests_filename(label, rps)), res.timelines)
+      rows.append(row)
+      run_index += 1
+      if spec.progress:
+        log(f"[{label} @ {rps:.3g} rps] finished {row['num_finished']}/{row['num_requests']}, SLO attainment "
+            f"{row['slo_attainment']:.2f}, rotations {row['num_rotations']} ({row['rotations_per_step']:.2f}"
+            f"/step), exposed transfer {row['exposed_transfer_s']:.3f} s of {row['duration_s']:.1f} s "
+            f"simulated, {res.wall_s:.1f} s wall")
   return rows
 
 

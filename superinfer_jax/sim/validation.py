@@ -36,12 +36,21 @@ from superinfer_jax.sim import cost as cost_lib
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
   """One completed step of a real engine: when its plan was made and when it completed (engine clock, s),
-  the batch (``(num_new_tokens, num_computed_tokens)`` per seq) and the blocks it copied each way."""
+  the batch (``(num_new_tokens, num_computed_tokens)`` per seq), the blocks it copied each way, and, as
+  fractions of the device pool read when the step completed, the blocks resident (``occupancy``) and those
+  plus the blocks every queued request needs (``kv_demand``: above 1 = more live KV than the pool holds;
+  the simulator's ``SimResult`` fields of the same names), and the engine's cumulative KV copy time and its
+  exposed part so far (``LLMEngine.transfer_report``: ``copy_time_s``, ``blocked_time_s``, seconds). Each of
+  these four is None in records saved without it."""
   plan_time: float
   done_time: float
   seqs: tuple[tuple[int, int], ...]
   blocks_out: int
   blocks_in: int
+  occupancy: Optional[float] = None
+  kv_demand: Optional[float] = None
+  copy_time_s: Optional[float] = None
+  blocked_time_s: Optional[float] = None
 
 
 class StepRecorder:
@@ -56,11 +65,20 @@ class StepRecorder:
     sched = engine.scheduler
     inner = sched.on_step_done
 
+    report = getattr(engine, "transfer_report", None)
+
     def on_step_done(plan, new_tokens, finished, now=None):
+      bm = sched.bm
+      copies = report() if report is not None else {}
+      pool = bm.num_device_blocks
+      used = pool - bm.num_free_device_blocks
       records.append(StepRecord(
           plan_time=float(plan.time), done_time=float(now if now is not None else engine.clock.now()),
           seqs=tuple((s.num_new_tokens, s.num_computed_tokens) for s in plan.scheduled),
-          blocks_out=len(plan.swap_out) + len(plan.writeback), blocks_in=len(plan.swap_in)))
+          blocks_out=len(plan.swap_out) + len(plan.writeback), blocks_in=len(plan.swap_in),
+          occupancy=used / pool if pool else None,
+          kv_demand=(used + sched.demand_blocks) / pool if pool else None,
+          copy_time_s=copies.get("copy_time_s"), blocked_time_s=copies.get("exposed_time_s")))
       return inner(plan, new_tokens, finished, now)
 
     sched.on_step_done = on_step_done
@@ -155,7 +173,9 @@ def load_records(path: str) -> tuple[str, list[StepRecord]]:
     d = json.load(f)
   return d["run"], [StepRecord(plan_time=r["plan_time"], done_time=r["done_time"],
                                seqs=tuple(tuple(q) for q in r["seqs"]), blocks_out=r["blocks_out"],
-                               blocks_in=r["blocks_in"]) for r in d["steps"]]
+                               blocks_in=r["blocks_in"], occupancy=r.get("occupancy"),
+                               kv_demand=r.get("kv_demand"), copy_time_s=r.get("copy_time_s"),
+                               blocked_time_s=r.get("blocked_time_s")) for r in d["steps"]]
 
 
 @dataclasses.dataclass
@@ -171,21 +191,27 @@ def _slug(row: dict[str, Any]) -> str:
   return f"{row['policy']}-rep{row.get('repeat') or 0}"
 
 
-def run_real(spec, engine_config) -> list[dict[str, Any]]:
+def steps_path(output_dir: str, row: dict[str, Any]) -> str:
+  """Where ``run_real`` saved the step records of the real run ``row``."""
+  return os.path.join(output_dir, f"steps-{_slug(row)}.json")
+
+
+def run_real(spec, engine_config, *, model_tuple=None) -> list[dict[str, Any]]:
   """Step 1: the real sweep into ``<output_dir>/real`` (``output_dir`` fresh), its steps saved as
-  ``<output_dir>/steps-<policy>-rep<k>.json``. Returns the real rows."""
+  ``<output_dir>/steps-<policy>-rep<k>.json`` (``steps_path``). ``model_tuple`` = (cfg, params, tokenizer)
+  is handed to ``run_sweep`` (random weights; None: it loads ``spec.model``). Returns the real rows."""
   from superinfer_jax.experiment.runner import fresh_output_dir, run_sweep  # pylint: disable=import-outside-toplevel
   out = spec.output_dir
   fresh_output_dir(out)
   recorder = StepRecorder()
   real_rows = run_sweep(dataclasses.replace(spec, output_dir=os.path.join(out, "real")), engine_config,
-                        on_engine=lambda engine, _: recorder.attach(engine, engine.config.scheduler.policy))
+                        model_tuple=model_tuple, on_engine=lambda engine, _: recorder.attach(engine, engine.config.scheduler.policy))
   if len(recorder.engines) != len(real_rows):
     raise RuntimeError(f"{len(recorder.engines)} engines recorded for {len(real_rows)} results rows")
   for row, (policy, records) in zip(real_rows, recorder.engines):
     if policy != (row.get("base_policy") or row["policy"]):
       raise RuntimeError(f"recorded engine {policy!r} does not match results row {row['policy']!r}")
-    save_records(os.path.join(out, f"steps-{_slug(row)}.json"), row["policy"], records)
+    save_records(steps_path(out, row), row["policy"], records)
   return real_rows
 
 
@@ -205,7 +231,7 @@ def compare(spec, engine_config, sim_config, *, command: str, log: Callable[[str
   for row in real_rows:
     slug = _slug(row)
     label = slug.replace("-rep", "#")
-    _, records = load_records(os.path.join(out, f"steps-{slug}.json"))
+    _, records = load_records(steps_path(out, row))
     points = points_from_records(records, max_gap_s=max_gap_s, buckets=buckets)
     fit = median_unbiased(cal.fit_step_model(points, mp), points, mp)
     fits.append((label, fit, len(points)))
@@ -219,7 +245,7 @@ def compare(spec, engine_config, sim_config, *, command: str, log: Callable[[str
     log(f"[validate] {label}: {len(points)} steps fitted: {fit.mem_gbps:.2f} GB/s, {fit.flop_tflops * 1e3:.1f} "
         f"GFLOP/s, overhead {fit.overhead_s * 1e3:.1f} ms; error p10 / p50 / p90 {errs[len(errs) // 10]:+.0%} / "
         f"{errs[len(errs) // 2]:+.0%} / {errs[9 * len(errs) // 10]:+.0%}")
-    s_spec = dataclasses.replace(spec, policies=row.get("base_policy") or row["policy"], vary="",
+    s_spec = dataclasses.replace(spec, policies=row["policy"], vary="",   # the label keeps its variant
                                  output_dir=os.path.join(out, f"sim-{slug}"), repeats=1)
     sim_row = run_sim_sweep(s_spec, engine_config, sim_config.replace(hardware=prof_path), log=log)[0]
     sim_rows[label] = sim_row
@@ -252,4 +278,4 @@ def validate(spec, engine_config, sim_config, *, command: str, log: Callable[[st
 
 __all__ = ["StepRecord", "StepRecorder", "ValidationResult", "compare", "comparison", "load_records",
            "median_unbiased", "points_from_records", "refit_profile", "run_real",
-           "save_records", "validate"]
+           "save_records", "steps_path", "validate"]
