@@ -68,6 +68,7 @@ def _ints(name):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  from superinfer_jax.experiment import calibrate as measure  # pylint: disable=import-outside-toplevel
   from superinfer_jax.sim import calibration as cal  # pylint: disable=import-outside-toplevel
   from superinfer_jax.sim.cost import ModelProfile  # pylint: disable=import-outside-toplevel
   command = " ".join(["python scripts/calibrate.py"] + [shlex.quote(a) for a in sys.argv[1:]])
@@ -90,7 +91,7 @@ def main(argv):
   import jax  # pylint: disable=import-outside-toplevel
   from superinfer_jax.engine.engine import LLMEngine  # pylint: disable=import-outside-toplevel
   print(f"[calibrate] {command}", flush=True)
-  machine = cal.measure_machine()
+  machine = measure.measure_machine()
   print(f"[calibrate] machine: read {machine['read_gbps']:.2f} GB/s, f32 matmul "
         f"{machine['matmul_tflops'] * 1e3:.1f} GFLOP/s", flush=True)
   try:
@@ -106,10 +107,10 @@ def main(argv):
     engine.precompile_steps()
     print(f"[calibrate] precompiled the step buckets in {time.perf_counter() - t:.1f} s", flush=True)
   log = lambda s: print(s, flush=True)   # noqa: E731
-  steps = cal.measure_steps(engine, decode_batches=batches, decode_contexts=contexts, prefill_chunks=chunks,
-                            warmup=FLAGS.warmup, repeats=FLAGS.repeats, log=log)
-  transfers = cal.measure_transfers(config, engine.model_config, block_counts=blocks, warmup=FLAGS.warmup,
-                                    repeats=FLAGS.repeats, naive_blocks=naive, log=log)
+  steps = measure.measure_steps(engine, decode_batches=batches, decode_contexts=contexts, prefill_chunks=chunks,
+                                warmup=FLAGS.warmup, repeats=FLAGS.repeats, log=log)
+  transfers = measure.measure_transfers(config, engine.model_config, block_counts=blocks,
+                                        warmup=FLAGS.warmup, repeats=FLAGS.repeats, naive_blocks=naive, log=log)
   name = os.path.basename(os.path.normpath(FLAGS.model)) if os.path.exists(FLAGS.model) else FLAGS.model
   mp = ModelProfile.from_model_config(engine.model_config, dtype=config.model.dtype, name=name)
   if FLAGS.pad_to_buckets:
@@ -126,7 +127,7 @@ def main(argv):
   profile = cal.build_profile(name=FLAGS.name, description=desc, command=command, machine=machine,
                               step_fit=step_fit, link_fit=link_fit, model=mp,
                               block_bytes=engine.kv_spec.block_bytes, num_layers=engine.model_config.num_layers,
-                              step_points=steps, memory_gb=cal.physical_memory_gb(),
+                              step_points=steps, memory_gb=measure.physical_memory_gb(),
                               pad_to_buckets=FLAGS.pad_to_buckets)
   out_dir = os.path.dirname(os.path.abspath(FLAGS.output))
   os.makedirs(out_dir, exist_ok=True)

@@ -18,18 +18,40 @@ states the experiment in step units:
 Every number, and the reasoning, goes into ``Calibration.explain()`` (printed above the table) and
 ``config.json``. Each timed run then records the step times it saw; ``step_drift`` compares them with the
 warm-up's, so a run during which another process took the CPU is flagged rather than silently compared.
-Pure Python (no JAX).
+That part is pure Python (no JAX).
+
+The simulator's calibration measurement also lives here (its profile format and fits are
+``sim/calibration.py``; ``scripts/calibrate.py`` joins the two), on the real code paths:
+
+* **Model steps** (``measure_steps``). An ``LLMEngine`` (the run's engine config: bucket floors, pipeline,
+  dtype) runs (a) *decode* points: ``B`` requests with ``c``-token prompts; after their prefills, each
+  ``step()`` is one decode token per request, timed as the engine's step period (warm-up steps dropped, median
+  of the rest); (b) *prefill* points: one request with a ``P``-token prompt and ``max_tokens=1``, the whole
+  request timed (one prefill step plus the host's bookkeeping), warm-up repeats dropped, median of the rest.
+  Every shape is compiled before timing (``precompile_steps`` with the configured floors, plus the warm-up).
+* **Transfers** (``measure_transfers``). A ``DuplexKV`` built as the engine builds it (same spec, mode, host
+  memory kind, buckets) ``issue()``s ``N`` blocks D2H only, H2D only, and both at once; each timed to
+  completion (``wait`` and ``block_until_ready``), median of repeats. ``naive`` mode is timed too, for the
+  curve's small-segment point.
+* **Machine** (``measure_machine``, ``physical_memory_gb``): numpy streaming bandwidth and f32 matmul rate.
+
+These import JAX and the engine inside their functions only; the module's top level imports no JAX.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional, Sequence
+import statistics
+import time
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from superinfer_jax.kv.block_manager import BlockManager
 from superinfer_jax.sched import Request, Scheduler, VirtualClock
+from superinfer_jax.sim import calibration as cal
+
+GB = 1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,3 +171,181 @@ def interleaved_order(policies: Sequence[str], repeats: int) -> list[tuple[int, 
     order = list(policies) if k % 2 == 0 else list(reversed(policies))
     out += [(k, p) for p in order]
   return out
+
+
+def _median(xs: Sequence[float]) -> float:
+  return float(statistics.median(xs))
+
+
+# ------------------------------------------------------------------------ real-engine measurement (sim profile)
+def measure_machine(seconds: float = 1.0) -> dict[str, float]:
+  """This machine's streaming read bandwidth (GB/s, numpy sum over 256 MB f32) and f32 matmul rate
+  (TFLOP/s, numpy 1024^3 matmul), each the best of a few repeats within about ``seconds``."""
+  a = np.ones(64 << 20, np.float32)        # 256 MB
+  a.sum()
+  best_bw = 0.0
+  t_end = time.perf_counter() + seconds / 2
+  while True:
+    t = time.perf_counter()
+    a.sum()
+    dt = time.perf_counter() - t
+    best_bw = max(best_bw, a.nbytes / dt / GB)
+    if time.perf_counter() > t_end:
+      break
+  del a
+  n = 1024
+  x = np.ones((n, n), np.float32)
+  x @ x
+  best_fl = 0.0
+  t_end = time.perf_counter() + seconds / 2
+  while True:
+    t = time.perf_counter()
+    x @ x
+    dt = time.perf_counter() - t
+    best_fl = max(best_fl, 2.0 * n ** 3 / dt / 1e12)
+    if time.perf_counter() > t_end:
+      break
+  return {"read_gbps": best_bw, "matmul_tflops": best_fl}
+
+
+def _prompt_fn(engine) -> Callable[[int], list[int]]:
+  """A seeded generator of random ``n``-token prompts (ids >= 100, below ``engine``'s vocabulary size)."""
+  rng = np.random.default_rng(0)
+  vocab = engine.model_config.vocab_size
+  lo = min(100, vocab - 1)
+  return lambda n: rng.integers(lo, vocab, size=n).tolist()
+
+
+def _run_to_idle(engine, ids: Sequence[int]) -> list[float]:
+  """Steps ``engine`` until it has no unfinished request, then releases ``ids``; returns each step's wall
+  time (s)."""
+  times = []
+  while engine.has_unfinished():
+    t = time.perf_counter()
+    engine.step()
+    times.append(time.perf_counter() - t)
+  for i in ids:
+    engine.release(i)
+  return times
+
+
+def _decode_point(engine, prompt, b: int, c: int, warmup: int, repeats: int) -> cal.StepPoint:
+  """``b`` requests with ``c``-token prompts: after their prefills, the decode steps are timed; the point
+  is the median of the ``repeats`` steps after ``warmup``, at their mid-run context."""
+  from superinfer_jax.engine.config import SamplingParams  # pylint: disable=import-outside-toplevel
+  chunks = -(-b * c // engine.config.scheduler.max_num_batched_tokens)   # steps the prefills may take
+  sp = SamplingParams(max_tokens=warmup + repeats + chunks + 2, ignore_eos=True)
+  ids = [engine.add_request(prompt(c), sp) for _ in range(b)]
+  while engine.has_unfinished() and not all(engine.get_request(i).token_ids for i in ids):
+    engine.step()
+  times = _run_to_idle(engine, ids)
+  samples = times[warmup:warmup + repeats] or times[:1]
+  ctx = c + warmup + len(samples) // 2          # mid-run context of the timed steps
+  return cal.StepPoint("decode", b, b, c, cal.decode_shape(b, ctx), _median(samples), tuple(samples))
+
+
+def _prefill_point(engine, prompt, n: int, warmup: int, repeats: int) -> cal.StepPoint:
+  """One ``n``-token request with ``max_tokens=1``, the whole request timed ``warmup + repeats`` times; the
+  point is the median after the warm-up."""
+  from superinfer_jax.engine.config import SamplingParams  # pylint: disable=import-outside-toplevel
+  sp = SamplingParams(max_tokens=1, ignore_eos=True)
+  times = []
+  for _ in range(warmup + repeats):
+    t = time.perf_counter()
+    rid = engine.add_request(prompt(n), sp)
+    while engine.has_unfinished():
+      engine.step()
+    times.append(time.perf_counter() - t)
+    engine.release(rid)
+  samples = times[warmup:] or times[-1:]
+  return cal.StepPoint("prefill", 1, n, 0, cal.prefill_shape(n), _median(samples), tuple(samples))
+
+
+def measure_steps(engine, *, decode_batches: Sequence[int], decode_contexts: Sequence[int],
+                  prefill_chunks: Sequence[int], warmup: int, repeats: int,
+                  log: Callable[[str], None] = lambda s: None) -> list[cal.StepPoint]:
+  """Times ``engine`` (an idle ``LLMEngine``) at the decode and prefill points of the grid (module
+  docstring): one ``StepPoint`` per (context, batch) decode pair, then one per prefill chunk; ``engine`` is
+  idle again on return. Token ids are random: their values do not change the step time."""
+  from superinfer_jax.engine.config import SamplingParams  # pylint: disable=import-outside-toplevel
+  prompt = _prompt_fn(engine)
+  # One untimed pass through the whole loop first: first-use costs outside the compiled step buckets
+  # would otherwise land in the first decode point.
+  if decode_batches and decode_contexts:
+    b0, c0 = max(decode_batches), min(decode_contexts)
+    sp = SamplingParams(max_tokens=warmup + 2, ignore_eos=True)
+    _run_to_idle(engine, [engine.add_request(prompt(c0), sp) for _ in range(b0)])
+  points = []
+  for c in decode_contexts:
+    for b in decode_batches:
+      p = _decode_point(engine, prompt, b, c, warmup, repeats)
+      log(f"[calibrate] decode batch {b:3d} context {c:5d}: {p.seconds * 1e3:8.2f} ms/step "
+          f"({len(p.samples)} steps)")
+      points.append(p)
+  for n in prefill_chunks:
+    p = _prefill_point(engine, prompt, n, warmup, repeats)
+    log(f"[calibrate] prefill {n:5d} tokens: {p.seconds * 1e3:8.2f} ms ({len(p.samples)} repeats)")
+    points.append(p)
+  return points
+
+
+def measure_transfers(engine_config, model_cfg, *, block_counts: Sequence[int], warmup: int, repeats: int,
+                      naive_blocks: Sequence[int] = (), log: Callable[[str], None] = lambda s: None
+                      ) -> list[cal.TransferPoint]:
+  """Times ``DuplexKV.issue()`` (built as ``LLMEngine._make_duplex`` builds it) of ``N`` blocks D2H, H2D
+  and both, for each ``N`` of ``block_counts`` in the config's transfer mode (naive mode for
+  ``naive_blocks``)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from superinfer_jax.model.forward import init_kv_cache  # pylint: disable=import-outside-toplevel
+  from superinfer_jax.rotation import DuplexKV  # pylint: disable=import-outside-toplevel
+  rc = engine_config.rotation
+  dtype = engine_config.model.dtype
+  spec = model_cfg.kv_spec(engine_config.block_size, dtype=dtype)
+  top = max(list(block_counts) + list(naive_blocks) + [1])
+  device = jax.local_devices()[0]
+  kinds = {m.kind for m in device.addressable_memories()}
+  kind = "pinned_host" if "pinned_host" in kinds else "unpinned_host"
+  points = []
+
+  def run(mode: str, counts: Sequence[int]):
+    dk = DuplexKV(spec, 2 * top, mode=mode, device=device, host_memory_kind=kind,
+                  min_bucket=rc.rotation_min_bucket, max_bucket=rc.rotation_max_bucket)
+    cache = init_kv_cache(model_cfg, 2 * top + 1, engine_config.block_size, dtype)
+    # Seed host blocks top..2top-1 (the H2D sources) with one D2H.
+    cache = dk.issue(cache, swap_out=[(1 + i, top + i) for i in range(top)])
+    dk.wait()
+    for n in counts:
+      cases = {"d2h": dict(swap_out=[(1 + i, i) for i in range(n)]),
+               "h2d": dict(swap_in=[(top + i, 1 + top + i) for i in range(n)]),
+               "both": dict(swap_out=[(1 + i, i) for i in range(n)],
+                            swap_in=[(top + i, 1 + top + i) for i in range(n)])}
+      for name, kw in cases.items():
+        times = []
+        for _ in range(warmup + repeats):
+          t = time.perf_counter()
+          cache = dk.issue(cache, **kw)
+          dk.wait()
+          jax.block_until_ready(cache)
+          times.append(time.perf_counter() - t)
+        s = _median(times[warmup:] or times[-1:])
+        out = len(kw.get("swap_out", ()))
+        inn = len(kw.get("swap_in", ()))
+        points.append(cal.TransferPoint(mode, out, inn, s))
+        log(f"[calibrate] {mode:6s} {name:4s} {n:3d} blocks x {spec.block_bytes / 2**20:.3f} MiB: "
+            f"{s * 1e3:8.3f} ms ({(out + inn) * spec.block_bytes / s / GB:.2f} GB/s)")
+    return cache
+
+  run(rc.transfer_mode if rc.transfer_mode != "naive" else "duplex", block_counts)
+  if naive_blocks:
+    run("naive", naive_blocks)
+  return points
+
+
+
+
+def physical_memory_gb() -> float:
+  """This machine's physical memory (GB, 1e9 bytes); 16.0 where the OS does not report it."""
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+  except (ValueError, OSError, AttributeError):
+    return 16.0

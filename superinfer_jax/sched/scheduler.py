@@ -51,7 +51,7 @@ policies that set ``uses_running_needs`` (checked by ``check_invariants``). ``te
 pins every policy's plans (``sched/replay.py``); ``tests/test_sched_equivalence.py`` checks the fast paths
 against plain reference implementations.
 
-Invariants (``check_invariants``): every live request is in exactly one of running / waiting (WAITING or
+Invariants (``check_invariants``, in ``invariants.py``): every live request is in exactly one of running / waiting (WAITING or
 PREEMPTED) / rotary matching its state; RUNNING <=> resident in the block manager with
 ``num_tokens == num_computed_tokens``; ROTARY <=> swapped in the block manager; WAITING/PREEMPTED <=> no
 blocks and ``num_computed_tokens == 0``; the incremental demand equals the sum over waiting + rotary;
@@ -73,6 +73,7 @@ from superinfer_jax.kv.block_manager import BlockManager
 from superinfer_jax.sched import vlt as vlt_lib
 from superinfer_jax.sched.config import SchedulerConfig
 from superinfer_jax.sched.admission import AdmissionMixin
+from superinfer_jax.sched.invariants import InvariantsMixin
 from superinfer_jax.sched.plan import StepPlan
 from superinfer_jax.sched.queue import SortedQueue
 from superinfer_jax.sched.request import Request, RequestState
@@ -84,7 +85,7 @@ WAITING = RequestState.WAITING
 ROTARY = RequestState.ROTARY
 PREEMPTED = RequestState.PREEMPTED
 
-class Scheduler(RunningStepMixin, RotationOpsMixin, AdmissionMixin):
+class Scheduler(RunningStepMixin, RotationOpsMixin, AdmissionMixin, InvariantsMixin):
   """One scheduler core with a pluggable policy. See the module docstring for the API and invariants."""
 
   def __init__(self, config: SchedulerConfig, block_manager: BlockManager, clock, policy=None):
@@ -378,40 +379,3 @@ class Scheduler(RunningStepMixin, RotationOpsMixin, AdmissionMixin):
           self._finish(r, reason, now)
           done.append(rid)
     return done
-
-  # ------------------------------------------------------------------ invariants
-  def check_invariants(self) -> None:
-    bm = self.bm
-    bm.check_invariants()
-    seen = set()
-    for rid, r in self.running.items():
-      assert r.state is RUNNING and r._qentry is None, r
-      assert bm.has_request(rid) and not bm.is_swapped(rid), r
-      assert bm.num_tokens(rid) == r.num_computed_tokens == bm.num_computed(rid), (r, bm.num_tokens(rid))
-      seen.add(rid)
-    demand = 0
-    for r in self.waiting.requests():
-      assert r.state in (WAITING, PREEMPTED), r
-      assert not bm.has_request(r.req_id) and r.num_computed_tokens == 0, r
-      assert r.req_id not in seen, r
-      seen.add(r.req_id)
-      demand += r._demand
-      assert r._demand == self.blocks_for(r.planned_tokens), r
-    for r in self.rotary.requests():
-      assert r.state is ROTARY, r
-      assert bm.has_request(r.req_id) and bm.is_swapped(r.req_id), r
-      assert bm.num_computed(r.req_id) == r.num_computed_tokens, r
-      assert r.planned_tokens - r.num_computed_tokens == 1, r  # rotary requests are in decode phase
-      assert r._demand == self.blocks_for(r.planned_tokens), r  # prioritize() reads blk from it
-      assert r.req_id not in seen, r
-      seen.add(r.req_id)
-      demand += r._demand
-    assert seen == set(self.requests), "queues and the live set differ"
-    assert demand == self._demand, (demand, self._demand)
-    assert len(self.running) <= self.config.max_num_seqs
-    if self._need is not None:
-      needs = [self._need_of(r) for r in self.running.values()]
-      assert self._need == (sum(b for b, _ in needs), sum(t for _, t in needs)), (self._need, needs)
-    assert bm.num_requests == len(self.running) + len(self.rotary), "block manager holds stray requests"
-    for r in self.requests.values():
-      assert 0 <= r.inflight_samples <= len(self._inflight) and r.num_generated < r.max_tokens, r

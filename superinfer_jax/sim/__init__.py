@@ -2,11 +2,11 @@
 for the model step (``cost.py``: a roofline from the model and hardware profiles) and for KV copies
 (``transfer.py``: bandwidth by segment size, DuplexKV's naive / merged / duplex modes). ``loop.py`` is the
 event loop, ``runner.py`` the sweep behind ``scripts/simulate.py``; profiles live in ``configs/hardware/``
-(``profiles.py``); ``calibration.py`` measures this machine's real engine and fits a profile
-(``scripts/calibrate.py``); ``figures.py`` holds the paper's experiments (``simulate.py --figure``) and
+(``profiles.py``); ``calibration.py`` fits a profile from measured points (``scripts/calibrate.py``, which
+measures with ``experiment/calibrate.py``); ``figures.py`` holds the paper's experiments (``simulate.py --figure``) and
 ``validation.py`` the same-session comparison with the real engine (``simulate.py --validate``). See
-docs/simulator.md. No JAX anywhere in this package, except inside
-``calibration``'s measuring functions (imported there, on call; the package does not import ``calibration``).
+docs/simulator.md. No JAX anywhere in this package, except inside ``validation``'s functions (imported there,
+on call; the package does not import ``validation``).
 """
 from superinfer_jax.sim.config import SimConfig
 from superinfer_jax.sim.cost import BatchShape, ModelProfile, StepCost, batch_shape, expected_experts, step_cost

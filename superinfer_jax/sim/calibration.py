@@ -1,16 +1,9 @@
-"""Calibration: measure this machine's real engine and fit a hardware profile for the simulator.
+"""Calibration's format: the simulator's hardware profile fitted from measured step and transfer points.
 
-``scripts/calibrate.py`` is the flag wrapper. Two measurements, both on the real code paths:
-
-* **Model steps.** An ``LLMEngine`` (the run's engine config: bucket floors, pipeline, dtype) runs
-  (a) *decode* points: ``B`` requests with ``c``-token prompts; after their prefills, each ``step()`` is one
-  decode token per request, timed as the engine's step period (warm-up steps dropped, median of the rest);
-  (b) *prefill* points: one request with a ``P``-token prompt and ``max_tokens=1``, the whole request timed
-  (one prefill step plus the host's bookkeeping), warm-up repeats dropped, median of the rest.
-  Every shape is compiled before timing (``precompile_steps`` with the configured floors, plus the warm-up).
-* **Transfers.** A ``DuplexKV`` built as the engine builds it (same spec, mode, host memory kind, buckets)
-  ``issue()``s ``N`` blocks D2H only, H2D only, and both at once; each timed to completion (``wait`` and
-  ``block_until_ready``), median of repeats. ``naive`` mode is timed too, for the curve's small-segment point.
+The points are plain data (``StepPoint``, ``TransferPoint``); the real-run measurement that produces them (an
+``LLMEngine`` timed at a grid of decode and prefill shapes, ``DuplexKV.issue()`` timed at a range of block
+counts, this machine's numpy bandwidth and matmul rate) lives in ``experiment/calibrate.py``, and
+``scripts/calibrate.py`` is the flag wrapper joining the two.
 
 Fit (pure Python, ``fit_step_model`` / ``fit_link``), against the *cost model's own* formula
 (``cost.step_cost``) on the batch shapes the measured steps really had (not the engine's padded buckets, so
@@ -18,16 +11,16 @@ the fitted factors absorb the padding, as the simulator needs):
 
   time = max(bytes / (hbm * mem_eff), flops / (peak * flop_eff)) + step_overhead
 
-``hbm`` and ``peak`` are this machine's measured streaming bandwidth and f32 matmul rate (numpy; see
-``measure_machine``); only the products ``hbm * mem_eff`` and ``peak * flop_eff`` are identifiable, so the
-efficiencies are the fitted effective rates over those peaks (capped at 1, the peak raised to the fitted
+``hbm`` and ``peak`` are this machine's measured streaming bandwidth and f32 matmul rate (the ``machine``
+dict of ``build_profile``); only the products ``hbm * mem_eff`` and ``peak * flop_eff`` are identifiable, so
+the efficiencies are the fitted effective rates over those peaks (capped at 1, the peak raised to the fitted
 rate where a fit exceeds it). The overhead is searched on a grid; for each candidate the two rates are
 least-squares fits (relative error) of the points each bound claims, iterated to a fixed point. The link:
 per direction ``t(N) = launch + N * block_bytes / bw`` (least squares over N), the duplex cap from the
 both-ways times, and the curve's points at the naive segment (``block_bytes / 2L``) and the batched one
 (``block_bytes``, block_first).
 
-This module imports JAX only inside the measuring functions; the fitting and the profile writing are pure.
+This module imports no JAX, engine or experiment code; it never measures anything.
 """
 from __future__ import annotations
 
@@ -36,8 +29,7 @@ import datetime
 import json
 import math
 import statistics
-import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from superinfer_jax.sim import cost as cost_lib
 from superinfer_jax.sim.profiles import profile_from_dict
@@ -91,153 +83,6 @@ def padded_points(points: Sequence[StepPoint], buckets: cost_lib.Buckets) -> lis
 
 def _median(xs: Sequence[float]) -> float:
   return float(statistics.median(xs))
-
-
-# ------------------------------------------------------------------------------------------ measurement
-def measure_machine(seconds: float = 1.0) -> dict[str, float]:
-  """This machine's streaming read bandwidth (GB/s, numpy sum over 256 MB f32) and f32 matmul rate
-  (TFLOP/s, numpy 1024^3 matmul), each the best of a few repeats within about ``seconds``."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  a = np.ones(64 << 20, np.float32)        # 256 MB
-  a.sum()
-  best_bw = 0.0
-  t_end = time.perf_counter() + seconds / 2
-  while True:
-    t = time.perf_counter()
-    a.sum()
-    dt = time.perf_counter() - t
-    best_bw = max(best_bw, a.nbytes / dt / GB)
-    if time.perf_counter() > t_end:
-      break
-  del a
-  n = 1024
-  x = np.ones((n, n), np.float32)
-  x @ x
-  best_fl = 0.0
-  t_end = time.perf_counter() + seconds / 2
-  while True:
-    t = time.perf_counter()
-    x @ x
-    dt = time.perf_counter() - t
-    best_fl = max(best_fl, 2.0 * n ** 3 / dt / 1e12)
-    if time.perf_counter() > t_end:
-      break
-  return {"read_gbps": best_bw, "matmul_tflops": best_fl}
-
-
-def measure_steps(engine, *, decode_batches: Sequence[int], decode_contexts: Sequence[int],
-                  prefill_chunks: Sequence[int], warmup: int, repeats: int,
-                  log: Callable[[str], None] = lambda s: None) -> list[StepPoint]:
-  """Times ``engine`` (an idle ``LLMEngine``) at the decode and prefill points of the grid (module
-  docstring). Token ids are random (ids >= 100 below the vocabulary size): their values do not change the
-  step time."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from superinfer_jax.engine.config import SamplingParams  # pylint: disable=import-outside-toplevel
-  rng = np.random.default_rng(0)
-  vocab = engine.model_config.vocab_size
-  lo = min(100, vocab - 1)
-
-  def prompt(n):
-    return rng.integers(lo, vocab, size=n).tolist()
-
-  # One untimed pass through the whole loop first (the first decode point measured slow without it:
-  # first-use costs outside the compiled step buckets).
-  if decode_batches and decode_contexts:
-    b0, c0 = max(decode_batches), min(decode_contexts)
-    sp = SamplingParams(max_tokens=warmup + 2, ignore_eos=True)
-    ids = [engine.add_request(prompt(c0), sp) for _ in range(b0)]
-    while engine.has_unfinished():
-      engine.step()
-    for i in ids:
-      engine.release(i)
-  points = []
-  for c in decode_contexts:
-    for b in decode_batches:
-      chunks = -(-b * c // engine.config.scheduler.max_num_batched_tokens)   # steps the prefills may take
-      sp = SamplingParams(max_tokens=warmup + repeats + chunks + 2, ignore_eos=True)
-      ids = [engine.add_request(prompt(c), sp) for _ in range(b)]
-      while engine.has_unfinished() and not all(engine.get_request(i).token_ids for i in ids):
-        engine.step()
-      times = []
-      while engine.has_unfinished():
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-      for i in ids:
-        engine.release(i)
-      samples = times[warmup:warmup + repeats] or times[:1]
-      ctx = c + warmup + len(samples) // 2          # mid-run context of the timed steps
-      p = StepPoint("decode", b, b, c, decode_shape(b, ctx), _median(samples), tuple(samples))
-      log(f"[calibrate] decode batch {b:3d} context {c:5d}: {p.seconds * 1e3:8.2f} ms/step "
-          f"({len(samples)} steps)")
-      points.append(p)
-  for n in prefill_chunks:
-    sp = SamplingParams(max_tokens=1, ignore_eos=True)
-    times = []
-    for _ in range(warmup + repeats):
-      t = time.perf_counter()
-      rid = engine.add_request(prompt(n), sp)
-      while engine.has_unfinished():
-        engine.step()
-      times.append(time.perf_counter() - t)
-      engine.release(rid)
-    samples = times[warmup:] or times[-1:]
-    p = StepPoint("prefill", 1, n, 0, prefill_shape(n), _median(samples), tuple(samples))
-    log(f"[calibrate] prefill {n:5d} tokens: {p.seconds * 1e3:8.2f} ms ({len(samples)} repeats)")
-    points.append(p)
-  return points
-
-
-def measure_transfers(engine_config, model_cfg, *, block_counts: Sequence[int], warmup: int, repeats: int,
-                      naive_blocks: Sequence[int] = (), log: Callable[[str], None] = lambda s: None
-                      ) -> list[TransferPoint]:
-  """Times ``DuplexKV.issue()`` (built as ``LLMEngine._make_duplex`` builds it) of ``N`` blocks D2H, H2D
-  and both, for each ``N`` of ``block_counts`` in the config's transfer mode (naive mode for
-  ``naive_blocks``)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from superinfer_jax.model.forward import init_kv_cache  # pylint: disable=import-outside-toplevel
-  from superinfer_jax.rotation import DuplexKV  # pylint: disable=import-outside-toplevel
-  rc = engine_config.rotation
-  dtype = engine_config.model.dtype
-  spec = model_cfg.kv_spec(engine_config.block_size, dtype=dtype)
-  top = max(list(block_counts) + list(naive_blocks) + [1])
-  device = jax.local_devices()[0]
-  kinds = {m.kind for m in device.addressable_memories()}
-  kind = "pinned_host" if "pinned_host" in kinds else "unpinned_host"
-  points = []
-
-  def run(mode: str, counts: Sequence[int]):
-    dk = DuplexKV(spec, 2 * top, mode=mode, device=device, host_memory_kind=kind,
-                  min_bucket=rc.rotation_min_bucket, max_bucket=rc.rotation_max_bucket)
-    cache = init_kv_cache(model_cfg, 2 * top + 1, engine_config.block_size, dtype)
-    # Seed host blocks top..2top-1 (the H2D sources) with one D2H.
-    cache = dk.issue(cache, swap_out=[(1 + i, top + i) for i in range(top)])
-    dk.wait()
-    for n in counts:
-      cases = {"d2h": dict(swap_out=[(1 + i, i) for i in range(n)]),
-               "h2d": dict(swap_in=[(top + i, 1 + top + i) for i in range(n)]),
-               "both": dict(swap_out=[(1 + i, i) for i in range(n)],
-                            swap_in=[(top + i, 1 + top + i) for i in range(n)])}
-      for name, kw in cases.items():
-        times = []
-        for _ in range(warmup + repeats):
-          t = time.perf_counter()
-          cache = dk.issue(cache, **kw)
-          dk.wait()
-          jax.block_until_ready(cache)
-          times.append(time.perf_counter() - t)
-        s = _median(times[warmup:] or times[-1:])
-        out = len(kw.get("swap_out", ()))
-        inn = len(kw.get("swap_in", ()))
-        points.append(TransferPoint(mode, out, inn, s))
-        log(f"[calibrate] {mode:6s} {name:4s} {n:3d} blocks x {spec.block_bytes / 2**20:.3f} MiB: "
-            f"{s * 1e3:8.3f} ms ({(out + inn) * spec.block_bytes / s / GB:.2f} GB/s)")
-    return cache
-
-  run(rc.transfer_mode if rc.transfer_mode != "naive" else "duplex", block_counts)
-  if naive_blocks:
-    run("naive", naive_blocks)
-  return points
 
 
 # ------------------------------------------------------------------------------------------------- fits
@@ -383,6 +228,34 @@ def fit_link(points: Sequence[TransferPoint], block_bytes: int) -> LinkFit:
 
 
 # ------------------------------------------------------------------------------------------------ profile
+def _link_entry(src: str, link_fit: LinkFit, block_bytes: int, num_layers: int) -> dict[str, Any]:
+  """The profile's ``link`` section from a link fit: D2H / H2D rate curves by segment size (bytes) with a
+  point at the naive segment (``block_bytes / 2L``, where naive mode was measured) and one at the batched
+  segment (``block_bytes``), the duplex cap (GB/s) and the launch cost (s); every number sourced by ``src``."""
+  seg_batched = block_bytes
+  seg_naive = block_bytes // (2 * num_layers)
+
+  def curve(naive_gbps, gbps):
+    pts = []
+    if naive_gbps and seg_naive < seg_batched:
+      pts.append([seg_naive, round(min(naive_gbps, gbps), 6)])
+    pts.append([seg_batched, round(gbps, 6)])
+    return pts
+
+  return {
+      "name": "host memcpy (device and host pools share DRAM), as DuplexKV moves it",
+      "d2h_gbps_by_segment": {"points": curve(link_fit.naive_d2h_gbps, link_fit.d2h_gbps), "source": (
+          f"{src}: DuplexKV.issue() of N blocks D2H, t = launch + bytes/bw least squares over N, at the "
+          f"block_first segment ({seg_batched} B); the naive segment ({seg_naive} B) from naive mode")},
+      "h2d_gbps_by_segment": {"points": curve(link_fit.naive_h2d_gbps, link_fit.h2d_gbps), "source": (
+          f"{src}: DuplexKV.issue() of N blocks H2D, as d2h")},
+      "duplex_cap_gbps": {"value": round(link_fit.duplex_cap_gbps, 4), "source": (
+          f"{src}: DuplexKV.issue() of N blocks each way at once: (bytes out + in) / (t - launch)")},
+      "launch_overhead_s": {"value": round(link_fit.launch_s, 7), "source": (
+          f"{src}: intercept of the per-direction fits")},
+  }
+
+
 def build_profile(*, name: str, description: str, command: str, date: Optional[str] = None,
                   machine: dict[str, float], step_fit: StepFit, link_fit: LinkFit, model: cost_lib.ModelProfile,
                   block_bytes: int, num_layers: int, step_points: Sequence[StepPoint],
@@ -397,16 +270,6 @@ def build_profile(*, name: str, description: str, command: str, date: Optional[s
                    f"({e * 100:+.0f}%)" for p, e in zip(step_points, step_fit.rel_errors))
   fit_src = (f"{src}: fit of t = max(bytes/(hbm*mem_eff), flops/(peak*flop_eff)) + overhead to the engine's "
              f"step times of {model.name} ({model.itemsize * 8}-bit) [{errs}]")
-  seg_batched = block_bytes
-  seg_naive = block_bytes // (2 * num_layers)
-
-  def curve(naive_gbps, gbps):
-    pts = []
-    if naive_gbps and seg_naive < seg_batched:
-      pts.append([seg_naive, round(min(naive_gbps, gbps), 6)])
-    pts.append([seg_batched, round(gbps, 6)])
-    return pts
-
   d = {
       "name": name,
       "description": description,
@@ -434,18 +297,7 @@ def build_profile(*, name: str, description: str, command: str, date: Optional[s
       "copies_overlap_compute": {"value": False, "source": (
           f"{src}: on the CPU backend a KV copy is a memcpy on the same cores as the model step, so the "
           f"simulator does not hide copies behind the step in flight")},
-      "link": {
-          "name": "host memcpy (device and host pools share DRAM), as DuplexKV moves it",
-          "d2h_gbps_by_segment": {"points": curve(link_fit.naive_d2h_gbps, link_fit.d2h_gbps), "source": (
-              f"{src}: DuplexKV.issue() of N blocks D2H, t = launch + bytes/bw least squares over N, at the "
-              f"block_first segment ({seg_batched} B); the naive segment ({seg_naive} B) from naive mode")},
-          "h2d_gbps_by_segment": {"points": curve(link_fit.naive_h2d_gbps, link_fit.h2d_gbps), "source": (
-              f"{src}: DuplexKV.issue() of N blocks H2D, as d2h")},
-          "duplex_cap_gbps": {"value": round(link_fit.duplex_cap_gbps, 4), "source": (
-              f"{src}: DuplexKV.issue() of N blocks each way at once: (bytes out + in) / (t - launch)")},
-          "launch_overhead_s": {"value": round(link_fit.launch_s, 7), "source": (
-              f"{src}: intercept of the per-direction fits")},
-      },
+      "link": _link_entry(src, link_fit, block_bytes, num_layers),
   }
   profile_from_dict(d, path=f"<calibration {name}>")   # ProfileError if anything is off
   return d
@@ -455,11 +307,3 @@ def write_profile(path: str, profile: dict[str, Any]) -> None:
   with open(path, "w", encoding="utf-8") as f:
     json.dump(profile, f, indent=2)
     f.write("\n")
-
-
-def physical_memory_gb() -> float:
-  import os  # pylint: disable=import-outside-toplevel
-  try:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
-  except (ValueError, OSError, AttributeError):
-    return 16.0
