@@ -36,6 +36,9 @@ class SchedulerConfig:
   min_residency: int = knob(
       0, "steps a request stays running after it (re)enters RUNNING before it may be a proactive rotation "
          "victim (0: off, Algorithm 1 as written; reactive evictions ignore it)")
+  max_rotations_per_request: Optional[int] = knob(
+      None, "thrash guard: a request rotated out this many times is no longer a proactive victim (unset: no "
+            "limit, Algorithm 1 as written; reactive evictions ignore it)", none_as=0)
   writeback: bool = knob(True, "eager write-back of full blocks to host (DuplexKV)")
   max_writeback_blocks: Optional[int] = knob(None, "write-back blocks per step at most", none_as=0)
   writeback_min_free_host: Optional[int] = knob(
@@ -60,7 +63,7 @@ class SchedulerConfig:
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise ValueError(f"SchedulerConfig.{name} must be an int >= 0, got {v!r}")
-    for name in ("max_writeback_blocks", "writeback_min_free_host"):
+    for name in ("max_writeback_blocks", "writeback_min_free_host", "max_rotations_per_request"):
       v = getattr(self, name)
       if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
         raise ValueError(f"SchedulerConfig.{name} must be None or an int >= 0, got {v!r}")

@@ -105,8 +105,9 @@ class RotationPolicy(Policy):
   def pick_victims(self, sched, now: float, b_swap: int, seats: int) -> list[Request]:
     """Step 3: running requests to rotate out, from the tail of L (longest-running first), while R still
     needs ``b_swap`` blocks or ``seats`` seats. A victim has VLT < 0, is rotatable (decode phase, sampled
-    since it last entered RUNNING, not about to finish), has been resident ``min_residency`` steps, and its
-    D2H copies fit the B_xfer out-budget."""
+    since it last entered RUNNING, not about to finish), has been resident ``min_residency`` steps, has been
+    rotated out fewer than ``max_rotations_per_request`` times (when set), and its D2H copies fit the B_xfer
+    out-budget."""
     if b_swap <= 0 and seats <= 0:
       return []
     bm = sched.bm
@@ -114,6 +115,7 @@ class RotationPolicy(Policy):
     bx = sched.config.proactive_swap_budget
     step = sched.step_id
     oldest_admit = step - sched.config.min_residency  # resident_long_enough(v), inline
+    max_rot = sched.config.max_rotations_per_request
     victims = []
     out_copies = 0
     victim_ok = None if type(self).victim_ok is RotationPolicy.victim_ok else self.victim_ok
@@ -135,6 +137,8 @@ class RotationPolicy(Policy):
       gen = v.num_generated + v.inflight_samples
       if (v.prompt_len + gen - v.num_computed_tokens != 1 or v.touched_step == step
           or gen <= v.generated_at_admit or gen >= v.max_tokens or v.admit_step > oldest_admit):
+        continue
+      if max_rot is not None and v.num_rotations >= max_rot:
         continue
       if exact:
         copies = copies_of(v.req_id)
