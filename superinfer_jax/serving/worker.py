@@ -28,9 +28,7 @@ lockstep): the engine thread ends and ``/health`` answers 503.
 
 ``warmup(engine)`` (e.g. precompiling every step shape) runs in the engine thread before the loop; ``ready``
 says it is done (the app answers 503 until then). A step that compiles a new shape is logged as such.
-
-Admission is bounded by ``max_queue``: at most that many requests accepted and not yet finished (waiting,
-running, rotary or still in the command queue); beyond it ``submit`` raises a 429 ``APIError``.
+Admission is bounded by ``max_queue`` requests accepted and not finished (``submit`` raises a 429 beyond).
 """
 from __future__ import annotations
 
@@ -60,12 +58,8 @@ class EngineWorker:
       raise ValueError(f"max_queue must be >= 1, got {max_queue}")
     if channel is not None and engine_factory is not None:
       raise ValueError("a multi-process worker cannot rebuild its engine: give no engine_factory")
-    self.engine = engine
-    self.loop = loop
-    self.max_queue = max_queue
-    self.metrics = metrics
-    self.engine_factory = engine_factory
-    self.idle_wait_s = idle_wait_s
+    self.engine, self.loop, self.max_queue, self.metrics = engine, loop, max_queue, metrics
+    self.engine_factory, self.idle_wait_s = engine_factory, idle_wait_s
     self._cmds: queue.Queue = queue.Queue()
     self._sinks: dict[str, asyncio.Queue] = {}     # engine thread only
     self._admitted = 0                             # event loop only
