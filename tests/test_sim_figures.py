@@ -12,8 +12,8 @@ import pytest
 from superinfer_jax.engine.config import EngineConfig
 from superinfer_jax.metrics.results import read_results, validate_results_row
 from superinfer_jax.sim.config import SimConfig
-from superinfer_jax.sim.figures import (COMMON, FIGURES, Claim, Figure, Part, check_claims, get_figure, part_configs,
-                                       run_figure, summarize_points)
+from superinfer_jax.sim.figure_summary import check_claims, summarize_points
+from superinfer_jax.sim.figures import COMMON, FIGURES, Claim, Figure, Part, get_figure, part_configs, run_figure
 from superinfer_jax.sweep import SweepSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

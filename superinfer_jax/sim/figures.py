@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import operator
 import os
 from typing import Any, Optional, Sequence
 
 from superinfer_jax.metrics import plots as plots_lib
 from superinfer_jax.sim.config import SimConfig
+from superinfer_jax.sim.figure_summary import (CONTENTION, check_claims, format_claims, format_summary,
+                                               summarize_points)
 from superinfer_jax.sweep import SweepSpec, fresh_output_dir
 
 # The paper's evaluation setting (docs/paper.md §5 and the §2.2 defaults table); the workload is WORKLOADS'.
@@ -50,8 +51,6 @@ PAPER_RPS = 20.0                    # the point Figs. 1, 2, 19-21 are read at
 LATENCY = ("ttft_p99_s", "tbt_p99_s", "tbt_worst_p99_s")
 ATTAINMENT = ("slo_attainment", "ttft_attainment", "tbt_attainment", "tbt_request_attainment")
 ROTATION = ("rotations_per_step", "blocks_in_per_step", "exposed_transfer_share")
-CONTENTION = ("pool_occupancy_p50", "pool_occupancy_p99", "kv_demand_p50", "kv_demand_p99", "kv_contended_steps",
-              "kv_contended_share", "num_rotations", "num_recompute_preemptions")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +84,6 @@ class Part:
   title: str
   settings: dict[str, Any]
   x_key: str = "rps"
-
-
-_OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,110 +259,32 @@ def part_configs(part: Part, spec: SweepSpec, engine_config, sim_config: SimConf
           settings)
 
 
-def _matches(row: dict[str, Any], sel: dict[str, Any]) -> bool:
-  for k, v in sel.items():
-    got = row.get(k)
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-      try:
-        if abs(float(got) - float(v)) > 1e-9 * max(1.0, abs(float(v))):
-          return False
-      except (TypeError, ValueError):
-        return False
-    elif got != v:
-      return False
-  return True
+def _run_part(name: str, wl: Workload, part: Part, config, seeds: Sequence[int], part_dir: str, *,
+              timelines: bool, log) -> list[dict[str, Any]]:
+  """Every seed's run of one part (``config`` = ``part_configs``'s tuple) into ``part_dir/seed-<k>``, each
+  plotted; returns the rows of all seeds, tagged with the figure, part and workload."""
+  from superinfer_jax.sim.runner import run_sim_sweep   # pylint: disable=import-outside-toplevel
+  p_spec, p_eng, p_sim, _ = config
+  log(f"[figure {name} / {wl.name}] part {part.name}: "
+      f"{', '.join(f'{k}={v}' for k, v in part.settings.items())}, seeds {seeds} -> {part_dir}")
+  part_rows = []
+  for s in seeds:
+    s_spec = dataclasses.replace(p_spec, seed=s, output_dir=os.path.join(part_dir, f"seed-{s}"))
+    part_rows += run_sim_sweep(s_spec, p_eng, p_sim, log=log,
+                               row_tags={"figure": name, "figure_part": part.name, "figure_workload": wl.name})
+    plots_lib.plot_results_dir(s_spec.output_dir, timelines=timelines)
+  return part_rows
 
 
-def summarize_points(part: str, x_key: str, rows: Sequence[dict[str, Any]], metrics: Sequence[str]
-                     ) -> list[dict[str, Any]]:
-  """Per (series, x) of one part's rows (every seed's): ``{part, series, x, seeds, uncontended_seeds,
-  <metric>: {mean, min, max}}`` for ``metrics`` and ``CONTENTION`` (a seed's point is uncontended when its
-  live KV demand never exceeded the pool: ``kv_contended_steps == 0``)."""
-  groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
-  for r in rows:
-    groups.setdefault((plots_lib.series_label(r, x_key), r.get(x_key)), []).append(r)
-  out = []
-  for (series, x), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], float(kv[0][1] or 0))):
-    entry: dict[str, Any] = {"part": part, "series": series, "x_key": x_key, "x": x,
-                             "seeds": sorted(r.get("seed") for r in rs),
-                             "uncontended_seeds": sorted(r.get("seed") for r in rs if not r.get("kv_contended_steps"))}
-    for m in dict.fromkeys(tuple(metrics) + CONTENTION):
-      vals = [float(r[m]) for r in rs if r.get(m) is not None]
-      entry[m] = {"mean": sum(vals) / len(vals), "min": min(vals), "max": max(vals)} if vals else None
-    out.append(entry)
-  return out
-
-
-def check_claims(fig: Figure, rows: dict[str, list[dict[str, Any]]], rps_scale: float = 1.0
-                 ) -> list[dict[str, Any]]:
-  """Each of ``fig.claims`` on every seed: ``{text, metric, op, bound, ratios: {seed: ratio}, holds_on,
-  seeds, uncontended_seeds, holds}``. ``holds`` only if the claim holds on every seed and both points
-  contended on each (a missing point or a zero denominator is a failure)."""
-  out = []
-  for c in fig.claims:
-    part_rows = rows.get(c.part, [])
-    num = {k: v * rps_scale if k == "rps" else v for k, v in c.num.items()}
-    den = {k: v * rps_scale if k == "rps" else v for k, v in c.den.items()}
-    seeds = sorted({r.get("seed") for r in part_rows})
-    ratios: dict[Any, Optional[float]] = {}
-    uncontended = []
-    for s in seeds:
-      a = [r for r in part_rows if r.get("seed") == s and _matches(r, num)]
-      b = [r for r in part_rows if r.get("seed") == s and _matches(r, den)]
-      if len(a) != 1 or len(b) != 1 or a[0].get(c.metric) is None or not b[0].get(c.metric):
-        ratios[s] = None
-        continue
-      ratios[s] = float(a[0][c.metric]) / float(b[0][c.metric])
-      if not (a[0].get("kv_contended_steps") and b[0].get("kv_contended_steps")):
-        uncontended.append(s)
-    holds_on = [s for s, q in ratios.items() if q is not None and _OPS[c.op](q, c.bound)]
-    out.append({"text": c.text, "part": c.part, "metric": c.metric, "op": c.op, "bound": c.bound,
-                "ratios": ratios, "seeds": seeds, "holds_on": holds_on, "uncontended_seeds": uncontended,
-                "holds": bool(seeds) and len(holds_on) == len(seeds) and not uncontended})
-  return out
-
-
-def _fmt(v: Optional[dict[str, float]], scale: float = 1.0, digits: int = 3) -> str:
-  if v is None:
-    return "-"
-  return f"{scale * v['mean']:.{digits}g} [{scale * v['min']:.{digits}g}, {scale * v['max']:.{digits}g}]"
-
-
-_TABLE_METRICS = (("slo_attainment", "SLO%", 100.0), ("ttft_p99_s", "TTFT p99 s", 1.0),
-                  ("tbt_p99_s", "TBT p99 s", 1.0), ("tbt_worst_p99_s", "worst TBT p99 s", 1.0),
-                  ("tbt_request_attainment", "TBT req%", 100.0), ("kv_demand_p50", "KV/pool p50", 1.0),
-                  ("kv_demand_p99", "KV/pool p99", 1.0), ("pool_occupancy_p99", "occ p99", 1.0),
-                  ("kv_contended_share", "contended", 1.0), ("num_rotations", "rotations", 1.0),
-                  ("num_recompute_preemptions", "preemptions", 1.0))
-
-
-def format_summary(summary: Sequence[dict[str, Any]]) -> str:
-  """A text table of ``summarize_points`` entries: mean [min, max] over the seeds; "!" marks a point
-  where nothing contended on some seed."""
-  head = ["series", "x", "n"] + [h for _, h, _ in _TABLE_METRICS]
-  cells = [head]
-  for e in summary:
-    mark = "!" if e["uncontended_seeds"] else ""
-    cells.append([e["series"] + mark, f"{e['x']:g}" if isinstance(e["x"], (int, float)) else str(e["x"]),
-                  str(len(e["seeds"]))] + [_fmt(e.get(m), s) for m, _, s in _TABLE_METRICS])
-  widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-  lines = ["  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip() for c in cells]
-  lines.insert(1, "  ".join("-" * w for w in widths))
-  if any(e["uncontended_seeds"] for e in summary):
-    lines.append("! = on some seed nothing contended at this point (live KV never exceeded the pool)")
-  return "\n".join(lines)
-
-
-def format_claims(claims: Sequence[dict[str, Any]]) -> str:
-  lines = []
-  for c in claims:
-    rs = [q for q in c["ratios"].values() if q is not None]
-    spread = f"ratio mean {sum(rs) / len(rs):.3g} [{min(rs):.3g}, {max(rs):.3g}]" if rs else "no ratio"
-    verdict = "HOLDS" if c["holds"] else "does not hold"
-    extra = f"; uncontended on seeds {c['uncontended_seeds']}" if c["uncontended_seeds"] else ""
-    lines.append(f"[{verdict}] {c['text']} ({c['metric']} {c['op']} {c['bound']:.3g}): on "
-                 f"{len(c['holds_on'])}/{len(c['seeds'])} seeds, {spread}{extra}")
-  return "\n".join(lines)
+def _write_outputs(out: str, figure: dict[str, Any], summary: Sequence[dict[str, Any]], report: str) -> None:
+  """``figure.json`` (``figure``), ``summary.jsonl`` (a line per summarised point) and ``report.txt``."""
+  with open(os.path.join(out, "figure.json"), "w") as f:
+    json.dump(figure, f, indent=2, default=str)
+  with open(os.path.join(out, "summary.jsonl"), "w") as f:
+    for e in summary:
+      f.write(json.dumps(e, default=str) + "\n")
+  with open(os.path.join(out, "report.txt"), "w") as f:
+    f.write(report + "\n")
 
 
 def run_figure(name: str, spec: SweepSpec, engine_config, sim_config: SimConfig, *,
@@ -380,7 +298,6 @@ def run_figure(name: str, spec: SweepSpec, engine_config, sim_config: SimConfig,
   ``spec`` / ``engine_config`` / ``sim_config`` are the command line's; ``explicit`` the names set there
   (they override the figure's and the workload's settings; ``seed`` is always the loop's). ``timelines``
   also draws each run's per-request timeline (seconds per run)."""
-  from superinfer_jax.sim.runner import run_sim_sweep   # pylint: disable=import-outside-toplevel
   fig = get_figure(name)
   wl = get_workload(workload or DEFAULT_WORKLOAD)
   seeds = list(seeds) if seeds is not None else [spec.seed]
@@ -394,24 +311,15 @@ def run_figure(name: str, spec: SweepSpec, engine_config, sim_config: SimConfig,
   summary: list[dict[str, Any]] = []
   described = []
   tables = []
-  for part, (p_spec, p_eng, p_sim, settings) in configs:
+  for part, config in configs:
     part_dir = out if len(fig.parts) == 1 else os.path.join(out, part.name)
-    log(f"[figure {name} / {wl.name}] part {part.name}: "
-        f"{', '.join(f'{k}={v}' for k, v in part.settings.items())}, seeds {seeds} -> {part_dir}")
-    part_rows = []
-    for s in seeds:
-      s_spec = dataclasses.replace(p_spec, seed=s, output_dir=os.path.join(part_dir, f"seed-{s}"))
-      got = run_sim_sweep(s_spec, p_eng, p_sim, log=log,
-                          row_tags={"figure": name, "figure_part": part.name, "figure_workload": wl.name})
-      plots_lib.plot_results_dir(s_spec.output_dir, timelines=timelines)
-      part_rows += got
-    rows[part.name] = part_rows
-    part_summary = summarize_points(part.name, part.x_key, part_rows, fig.metrics)
+    rows[part.name] = _run_part(name, wl, part, config, seeds, part_dir, timelines=timelines, log=log)
+    part_summary = summarize_points(part.name, part.x_key, rows[part.name], fig.metrics)
     summary += part_summary
     tables.append(f"== {name} / {part.name} ({part.title}) on {wl.name}: mean [min, max] over seeds {seeds} ==\n"
                   f"{format_summary(part_summary)}")
     described.append({"name": part.name, "title": part.title, "dir": os.path.relpath(part_dir, out),
-                      "x_key": part.x_key, "settings": settings, "num_rows": len(part_rows)})
+                      "x_key": part.x_key, "settings": config[3], "num_rows": len(rows[part.name])})
   claims = check_claims(fig, rows, wl.rps_scale)
   if fig.contended and summary and all(e["uncontended_seeds"] == e["seeds"] for e in summary):
     tables.append(f"WARNING: figure {name} is meant to show contention, but on {wl.name} nothing contended at "
@@ -426,18 +334,11 @@ def run_figure(name: str, spec: SweepSpec, engine_config, sim_config: SimConfig,
       title=f"{name} ({', '.join(hw)}, {wl.title}, {len(seeds)} seeds): {fig.paper.split(':')[0]}")
   report = "\n\n".join(tables + ([f"claims over seeds {seeds}:\n{format_claims(claims)}"] if claims else [])
                        + [f"figure: {plot}"])
-  with open(os.path.join(out, "figure.json"), "w") as f:
-    json.dump({"figure": name, "paper": fig.paper, "workload": dataclasses.asdict(wl), "seeds": seeds,
-               "explicit": sorted(explicit), "parts": described, "claims": claims, "plot": os.path.basename(plot)},
-              f, indent=2, default=str)
-  with open(os.path.join(out, "summary.jsonl"), "w") as f:
-    for e in summary:
-      f.write(json.dumps(e, default=str) + "\n")
-  with open(os.path.join(out, "report.txt"), "w") as f:
-    f.write(report + "\n")
+  _write_outputs(out, {"figure": name, "paper": fig.paper, "workload": dataclasses.asdict(wl), "seeds": seeds,
+                       "explicit": sorted(explicit), "parts": described, "claims": claims,
+                       "plot": os.path.basename(plot)}, summary, report)
   return FigureResult(output_dir=out, plot=plot, rows=rows, summary=summary, claims=claims, report=report)
 
 
-__all__ = ["COMMON", "CONTENTION", "Claim", "DEFAULT_WORKLOAD", "FIGURES", "Figure", "FigureResult", "Part",
-           "WORKLOADS", "Workload", "check_claims", "figure_names", "format_claims", "format_summary", "get_figure",
-           "get_workload", "part_configs", "run_figure", "summarize_points", "workload_names"]
+__all__ = ["COMMON", "Claim", "DEFAULT_WORKLOAD", "FIGURES", "Figure", "FigureResult", "Part", "WORKLOADS",
+           "Workload", "figure_names", "get_figure", "get_workload", "part_configs", "run_figure", "workload_names"]
