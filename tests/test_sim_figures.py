@@ -108,9 +108,9 @@ def test_part_configs_explicit_wins_and_unknown_fails():
   assert "rps" not in settings and p_eng.scheduler.proactive_swap_budget == 2400
   p_spec, _, p_sim, _ = part_configs(part, spec, engine, sim)
   assert p_spec.rps == "35,40,45,50,55,60" and p_sim.hardware == "gh200"
-  assert p_spec.dataset == "sharegpt" and p_sim.length_scale == 1.5           # the default workload
+  assert p_spec.dataset == "sharegpt" and p_sim.length_scale == 1.05          # the default workload
   p_spec, _, p_sim, _ = part_configs(get_figure("main").parts[1], spec, engine, sim, workload="splitwise")
-  assert p_spec.rps == "1.5,3,3.9,4.5,5.4,6" and p_sim.trace == "splitwise" and p_sim.trace_arrivals == "rescale"
+  assert p_spec.rps == "1.4375,2.875,3.7375,4.3125,5.175,5.75" and p_sim.trace == "splitwise" and p_sim.trace_arrivals == "rescale"
   with pytest.raises(ValueError, match="unknown figure workload"):
     part_configs(part, spec, engine, sim, workload="nope")
   with pytest.raises(ValueError, match="unknown figure"):

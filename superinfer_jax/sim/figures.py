@@ -64,8 +64,8 @@ class Workload:
 
 # The length scale makes live KV exceed the pool at RPS 20 (docs/simulator.md "Contention"); the trace's
 # point (rps_scale x 20) is the rate at which it contends without overloading the GPU's compute.
-SHAREGPT_LENGTH_SCALE = 1.5
-SPLITWISE_RPS = 6.0
+SHAREGPT_LENGTH_SCALE = 1.05
+SPLITWISE_RPS = 5.75
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("sharegpt", "ShareGPT stand-in as loaded", dict(dataset="sharegpt")),
     Workload("sharegpt_long", f"ShareGPT stand-in, lengths x{SHAREGPT_LENGTH_SCALE:g}",
