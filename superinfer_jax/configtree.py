@@ -196,28 +196,37 @@ def define_flags(cls, flag_values=None, shared: Iterable[str] = (), only: Iterab
       raise flags.DuplicateFlagError(
           f"flag --{name} is defined twice: by setting {owner} and by {theirs}; each setting has one owner")
     owners[name] = owner
-    f = leaf.field
-    base, optional = base_type(leaf.type)
-    default = f.default
-    if default is None:
-      default = f.metadata.get("none_as")
-    help_text = f.metadata["help"]
-    if optional and "none_as" in f.metadata:
-      help_text += f" ({f.metadata['none_as']!r}: unset)"
-    c = choices_of(f)
-    kw = dict(flag_values=fv, module_name=owner_class)
-    if c is not None:
-      flags.DEFINE_enum(name, default, list(c), help_text, **kw)
-    elif base is bool:
-      flags.DEFINE_bool(name, default, help_text, **kw)
-    elif base is int:
-      flags.DEFINE_integer(name, default, help_text, **kw)
-    elif base is float:
-      flags.DEFINE_float(name, default, help_text, **kw)
-    elif base is str:
-      flags.DEFINE_string(name, default, help_text, **kw)
-    else:
-      raise TypeError(f"no flag type for setting {name!r} of type {leaf.type!r}")
+    _define_one(flags, fv, leaf, owner_class)
+
+
+def _define_one(flags, fv, leaf: Leaf, owner_class: str) -> None:
+  """Defines the absl flag of one setting ``leaf`` on ``fv``, registered under ``owner_class``: an enum for a
+  field with choices, else a bool / integer / float / string flag by the field's base type, its default the
+  field's (``none_as`` for a None default) and its help the field's ``help`` metadata. ``TypeError`` for
+  any other type. ``flags`` is the absl ``flags`` module."""
+  name = leaf.flag_name
+  f = leaf.field
+  base, optional = base_type(leaf.type)
+  default = f.default
+  if default is None:
+    default = f.metadata.get("none_as")
+  help_text = f.metadata["help"]
+  if optional and "none_as" in f.metadata:
+    help_text += f" ({f.metadata['none_as']!r}: unset)"
+  c = choices_of(f)
+  kw = dict(flag_values=fv, module_name=owner_class)
+  if c is not None:
+    flags.DEFINE_enum(name, default, list(c), help_text, **kw)
+  elif base is bool:
+    flags.DEFINE_bool(name, default, help_text, **kw)
+  elif base is int:
+    flags.DEFINE_integer(name, default, help_text, **kw)
+  elif base is float:
+    flags.DEFINE_float(name, default, help_text, **kw)
+  elif base is str:
+    flags.DEFINE_string(name, default, help_text, **kw)
+  else:
+    raise TypeError(f"no flag type for setting {name!r} of type {leaf.type!r}")
 
 
 def from_flags(cls, flag_values=None):

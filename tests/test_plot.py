@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from superinfer_jax import metrics as M
-from superinfer_jax.metrics import plots
+from superinfer_jax.metrics import plot_common, plot_timelines, plots
 from superinfer_jax.metrics.timeline import RequestTimeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +34,7 @@ def test_plot_results_dir_library(tmp_path):
 def test_timeline_without_state_changes(tmp_path):
   tls = [RequestTimeline("0", 0.0, 3, 2, [0.5, 0.6], [], "length"),
          RequestTimeline("1", 0.2, 3, 0, [], [], None)]
-  out = plots.plot_request_timeline(tls, str(tmp_path / "t.png"))
+  out = plot_timelines.plot_request_timeline(tls, str(tmp_path / "t.png"))
   _check_pngs(str(tmp_path), ["t.png"])
   assert out.endswith("t.png")
 
@@ -150,7 +150,7 @@ def test_aggregate_repeats_mean_min_max():
           _row("fcfs", 2.0, 1, slo_attainment=0.25, ttft_p99_s=3.0, run_index=3),
           _row("fcfs", 4.0, slo_attainment=0.1),            # old row: no repeat key -> repeat 0
           _row("fcfs", 4.0, 0, slo_attainment=0.2)]         # same (policy, rps, repeat): replaces it
-  agg = plots.aggregate_repeats(rows)
+  agg = plot_common.aggregate_repeats(rows)
   assert list(agg) == ["fcfs", "rota"]
   f2, f4 = agg["fcfs"]
   assert (f2["rps"], f2["num_repeats"], f4["rps"], f4["num_repeats"]) == (2.0, 2, 4.0, 1)
@@ -163,8 +163,8 @@ def test_aggregate_repeats_mean_min_max():
   assert r2["mean"]["ttft_p99_s"] == 0.4                  # None repeat left out of the mean
   assert "perturbed" not in r2["mean"]                      # bools are not averaged
   assert [r["run_index"] for r in r2["rows"]] == [1, 2]
-  groups = plots.group_repeats(rows)
-  assert [plots.row_repeat(r) for r in groups[("fcfs", 2.0)]] == [0, 1]
+  groups = plot_common.group_repeats(rows)
+  assert [plot_common.row_repeat(r) for r in groups[("fcfs", 2.0)]] == [0, 1]
 
 
 def test_find_request_files_prefers_explicit_rep0(tmp_path):

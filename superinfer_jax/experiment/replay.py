@@ -10,6 +10,7 @@ the time of the plan that made it; waiting at arrival; finished) into a ``Timeli
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Any, Optional, Sequence
@@ -74,6 +75,52 @@ def _diff(after: Optional[int], before: Optional[int]) -> Optional[int]:
   return None if after is None or before is None else after - before
 
 
+def _admit(engine, pending: Sequence[Any], nxt: int, t0: float, now: float, recorder: TimelineRecorder,
+           live: set[str], rejected: list[tuple[str, str]], bar) -> int:
+  """Adds ``pending[nxt:]`` that have arrived by ``now`` (``t0 + arrival_s``) to ``engine`` (greedy, exactly
+  ``output_len`` tokens) and to ``recorder``; a refused one (``ValueError``) goes to ``rejected`` and never
+  goes ``live``. Returns the index of the first request not yet arrived."""
+  from superinfer_jax.engine.config import SamplingParams  # pylint: disable=import-outside-toplevel
+  while nxt < len(pending) and t0 + pending[nxt].arrival_s <= now:
+    spec = pending[nxt]
+    nxt += 1
+    rid = str(spec.request_id)
+    arrival = t0 + spec.arrival_s
+    prompt = spec.prompt_token_ids if spec.prompt_token_ids is not None else spec.prompt
+    recorder.add_request(rid, arrival, spec.prompt_len, target_output_len=spec.output_len,
+                         source=getattr(spec, "source", "") or "")
+    try:
+      engine.add_request(prompt, SamplingParams(max_tokens=spec.output_len, temperature=0.0,
+                                                ignore_eos=True),
+                         request_id=rid, arrival_time=arrival)
+    except ValueError as e:  # RequestError: refused, recorded as never finished
+      rejected.append((rid, str(e)))
+      if bar is not None:
+        bar.update(1)
+      continue
+    live.add(rid)
+  return nxt
+
+
+def _record_outputs(outputs, recorder: TimelineRecorder, live: set[str], bar, now: float) -> float:
+  """Records one step's ``outputs`` (state changes, token times, finishes: a finish without a token time
+  at ``now``) and drops finished ids from ``live``. Returns the latest token time in them (-inf: none)."""
+  last = -math.inf
+  for o in outputs:
+    for t, state in o.state_changes:
+      recorder.state(o.request_id, t, state)
+    if o.timestamps:
+      for ts in o.timestamps:
+        recorder.token(o.request_id, ts)
+      last = max(last, o.timestamps[-1])
+    if o.finished:
+      recorder.finish(o.request_id, o.timestamps[-1] if o.timestamps else now, o.finish_reason or "length")
+      live.discard(o.request_id)
+      if bar is not None:
+        bar.update(1)
+  return last
+
+
 def replay_workload(engine, requests: Sequence[Any], *, desc: str = "replay", progress: bool = True,
                     time_limit_s: Optional[float] = None, idle_sleep_max_s: float = 0.05) -> ReplayResult:
   """Replays ``requests`` (``workload.RequestSpec``s, any order) on ``engine`` in real time.
@@ -86,7 +133,6 @@ def replay_workload(engine, requests: Sequence[Any], *, desc: str = "replay", pr
       timelines with ``finish_reason=None``.
   Returns a ``ReplayResult``; every request appears in ``timelines`` exactly once.
   """
-  from superinfer_jax.engine.config import SamplingParams  # pylint: disable=import-outside-toplevel
   clock = engine.clock
   pending = sorted(requests, key=lambda s: (s.arrival_s, str(s.request_id)))
   recorder = TimelineRecorder()
@@ -105,43 +151,13 @@ def replay_workload(engine, requests: Sequence[Any], *, desc: str = "replay", pr
     if time_limit_s is not None and now - t0 > time_limit_s:
       timed_out = True
       break
-    while nxt < len(pending) and t0 + pending[nxt].arrival_s <= now:
-      spec = pending[nxt]
-      nxt += 1
-      rid = str(spec.request_id)
-      arrival = t0 + spec.arrival_s
-      prompt = spec.prompt_token_ids if spec.prompt_token_ids is not None else spec.prompt
-      recorder.add_request(rid, arrival, spec.prompt_len, target_output_len=spec.output_len,
-                           source=getattr(spec, "source", "") or "")
-      try:
-        engine.add_request(prompt, SamplingParams(max_tokens=spec.output_len, temperature=0.0,
-                                                  ignore_eos=True),
-                           request_id=rid, arrival_time=arrival)
-      except ValueError as e:  # RequestError: refused, recorded as never finished
-        rejected.append((rid, str(e)))
-        if bar is not None:
-          bar.update(1)
-        continue
-      live.add(rid)
+    nxt = _admit(engine, pending, nxt, t0, now, recorder, live, rejected, bar)
     if not live:
       if nxt < len(pending):
         time.sleep(min(idle_sleep_max_s, max(0.0, t0 + pending[nxt].arrival_s - clock.now())))
       continue
     outputs = timer.step(engine)
-    now = clock.now()
-    for o in outputs:
-      for t, state in o.state_changes:
-        recorder.state(o.request_id, t, state)
-      if o.timestamps:
-        for ts in o.timestamps:
-          recorder.token(o.request_id, ts)
-        last_token_t = max(last_token_t, o.timestamps[-1])
-      if o.finished:
-        recorder.finish(o.request_id, o.timestamps[-1] if o.timestamps else now,
-                        o.finish_reason or "length")
-        live.discard(o.request_id)
-        if bar is not None:
-          bar.update(1)
+    last_token_t = max(last_token_t, _record_outputs(outputs, recorder, live, bar, clock.now()))
   if timed_out:
     for rid in list(live):
       engine.abort(rid)

@@ -62,6 +62,27 @@ def _warm_up(model_tuple, engine_config, workload, progress: bool) -> tuple[int,
   return engine.num_device_blocks, (steps[2:] if len(steps) > 6 else steps), timer.cpu_share  # 2 fill the pipe
 
 
+def _load_model_tuple(spec: SweepSpec, engine_config) -> tuple[Any, Any, Any]:
+  """``(model config, params, tokenizer)`` of ``spec.model`` in ``engine_config``'s dtype; sharded once when
+  ``tensor_parallel_size`` > 1 (every engine of the sweep reuses the shards). The tokenizer is None for a
+  synthetic dataset whose model ships none (prompts are token ids)."""
+  from superinfer_jax.model import load_model, load_tokenizer  # pylint: disable=import-outside-toplevel
+  from superinfer_jax.parallel.tensor_parallel import make_tensor_parallel  # pylint: disable=import-outside-toplevel
+  tp = make_tensor_parallel(engine_config.tensor_parallel_size)
+  if tp is None:
+    cfg, params = load_model(spec.model, dtype=engine_config.model.dtype)
+  else:   # loaded in host memory and sharded once; every engine of the sweep reuses the shards
+    cfg, params = tp.load_model(spec.model, dtype=engine_config.model.dtype)
+    _, params = tp.prepare(cfg, params)
+  try:
+    tokenizer = load_tokenizer(spec.model)
+  except FileNotFoundError:
+    if spec.dataset != "synthetic":
+      raise
+    tokenizer = None  # synthetic prompts are token ids; outputs then carry no text
+  return (cfg, params, tokenizer)
+
+
 def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None,
               on_engine: Optional[Callable[[Any, str], None]] = None, freeze_heap: bool = False) -> list[dict[str, Any]]:
   """Runs every (policy, variant, rps, repeat) of ``spec`` with ``engine_config`` (policy overridden).
@@ -81,21 +102,7 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None,
     apply_variant(engine_config, v)  # fail before any work on a bad --vary or policy setting
   fresh_output_dir(spec.output_dir)
   if model_tuple is None:
-    from superinfer_jax.model import load_model, load_tokenizer  # pylint: disable=import-outside-toplevel
-    from superinfer_jax.parallel.tensor_parallel import make_tensor_parallel  # pylint: disable=import-outside-toplevel
-    tp = make_tensor_parallel(engine_config.tensor_parallel_size)
-    if tp is None:
-      cfg, params = load_model(spec.model, dtype=engine_config.model.dtype)
-    else:   # loaded in host memory and sharded once; every engine of the sweep reuses the shards
-      cfg, params = tp.load_model(spec.model, dtype=engine_config.model.dtype)
-      _, params = tp.prepare(cfg, params)
-    try:
-      tokenizer = load_tokenizer(spec.model)
-    except FileNotFoundError:
-      if spec.dataset != "synthetic":
-        raise
-      tokenizer = None  # synthetic prompts are token ids; outputs then carry no text
-    model_tuple = (cfg, params, tokenizer)
+    model_tuple = _load_model_tuple(spec, engine_config)
   if freeze_heap:
     util.freeze_heap()
   cfg, _, tokenizer = model_tuple

@@ -1,4 +1,8 @@
-"""PNG figures from a results directory (matplotlib, Agg backend; imported lazily).
+"""PNG figures from a results directory (matplotlib, Agg backend; imported lazily), and the paper figures' panels.
+
+The bar figures are drawn in ``plot_bars.py``, the CDFs and timelines in ``plot_timelines.py``, the shared
+helpers (repeat aggregation, colours, saving) live in ``plot_common.py``; this module holds the lines vs RPS,
+``plot_results_dir`` (which draws them all) and ``plot_figure_panels``.
 
 A results directory holds ``results.jsonl`` (rows of ``results.py``) and, optionally, per-request files
 ``requests-<policy>-<rps>.jsonl`` or, for repeated runs, ``requests-<policy>-<rps>-rep<k>.jsonl``
@@ -35,84 +39,18 @@ Rows with the same (policy, rps, repeat) — a rerun appended to the same file �
 from __future__ import annotations
 
 import glob
-import math
 import os
 from typing import Any, Sequence
 
 import numpy as np
 
-from superinfer_jax.metrics.latency import latency_samples
+from superinfer_jax.metrics.plot_bars import plot_attainment_bars, plot_latency_bars, plot_rotation_bars
+from superinfer_jax.metrics.plot_common import (ATTAINMENT_METRICS, aggregate_repeats, no_minor_labels, num_value,
+                                                plain_formatter, policy_colors, pyplot, save_figure, slo_note)
+from superinfer_jax.metrics.plot_timelines import plot_latency_cdfs, plot_request_timeline
 from superinfer_jax.metrics.results import read_results
-from superinfer_jax.metrics.timeline import (PREEMPTED, RUNNING, ROTARY, WAITING, RequestTimeline,
-                                             format_rps, parse_requests_filename_full, read_timelines)
-
-STATE_COLORS = {WAITING: "#c7c7c7", RUNNING: "#4c72b0", ROTARY: "#dd8452", PREEMPTED: "#c44e52"}
-_OTHER_COLOR = "#8c8c8c"
-_ATTAINMENT = (("slo_attainment", "SLO attainment (TTFT & TPOT)"), ("ttft_attainment", "TTFT attainment"),
-               ("tbt_attainment", "TBT attainment"))
-_PERTURBED_HATCH = "///"
-
-
-def _plt():
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  return plt
-
-
-def row_repeat(row: dict[str, Any]) -> int:
-  """The row's 0-based ``repeat`` (rows of older runs lack it: 0)."""
-  r = row.get("repeat")
-  return 0 if r is None else int(r)
-
-
-def _num_value(v) -> float | None:
-  if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-    return None
-  v = float(v)
-  return v if math.isfinite(v) else None
-
-
-def group_repeats(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, float], list[dict[str, Any]]]:
-  """{(policy, rps): rows} with the repeats of each (policy, rps) sorted by (run_index, repeat).
-
-  A later row with the same (policy, rps, repeat) replaces an earlier one (a rerun). Keys are sorted by
-  (policy, rps).
-  """
-  latest: dict[tuple[str, float, int], dict[str, Any]] = {}
-  for r in rows:
-    latest[(r["policy"], float(r["rps"]), row_repeat(r))] = r
-  out: dict[tuple[str, float], list[dict[str, Any]]] = {}
-  for (policy, rps, _), r in sorted(latest.items()):
-    out.setdefault((policy, rps), []).append(r)
-  for rs in out.values():
-    rs.sort(key=lambda r: (r.get("run_index") is None, r.get("run_index") or 0, row_repeat(r)))
-  return out
-
-
-def aggregate_repeats(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-  """Per policy (sorted), one aggregate per rps (ascending) over that (policy, rps)'s repeats.
-
-  Each aggregate: ``policy``, ``rps``, ``rows`` (the repeats, as ``group_repeats``), ``num_repeats``,
-  ``num_perturbed`` and ``mean`` / ``min`` / ``max``: {key: float} over the repeats' finite numeric
-  (non-bool) values of every key; a repeat whose value is None/missing is left out of that key, and a
-  key without any value is absent (so ``agg["mean"].get(key)`` is None).
-  """
-  out: dict[str, list[dict[str, Any]]] = {}
-  for (policy, rps), rs in group_repeats(rows).items():
-    mean, lo, hi = {}, {}, {}
-    for key in dict.fromkeys(k for r in rs for k in r):
-      vals = [v for v in (_num_value(r.get(key)) for r in rs) if v is not None]
-      if vals:
-        mean[key], lo[key], hi[key] = float(np.mean(vals)), min(vals), max(vals)
-    out.setdefault(policy, []).append({
-        "policy": policy, "rps": rps, "rows": rs, "num_repeats": len(rs),
-        "num_perturbed": sum(1 for r in rs if r.get("perturbed")), "mean": mean, "min": lo, "max": hi})
-  return out
-
-
-def _policy_colors(policies) -> dict[str, str]:
-  return {p: f"C{i % 10}" for i, p in enumerate(sorted(set(policies)))}
+from superinfer_jax.metrics.timeline import (RequestTimeline, format_rps, parse_requests_filename_full,
+                                             read_timelines)
 
 
 def _line_with_range(ax, aggs: Sequence[dict[str, Any]], key: str, scale: float, label: str,
@@ -141,11 +79,11 @@ def _line_legend(ax, aggs: dict[str, list[dict[str, Any]]]) -> None:
 
 def plot_attainment_vs_rps(rows: Sequence[dict[str, Any]], out_path: str) -> str:
   """SLO, TTFT and TBT attainment (%) vs RPS per policy (mean over repeats) -> ``out_path``."""
-  plt = _plt()
+  plt = pyplot()
   aggs = aggregate_repeats(rows)
-  colors = _policy_colors(aggs)
+  colors = policy_colors(aggs)
   fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=True)
-  for ax, (key, title) in zip(axes, _ATTAINMENT):
+  for ax, (key, title) in zip(axes, ATTAINMENT_METRICS):
     for policy, ag in aggs.items():
       _line_with_range(ax, ag, key, 100.0, _line_label(policy, ag), colors[policy])
     ax.set_title(title)
@@ -154,15 +92,15 @@ def plot_attainment_vs_rps(rows: Sequence[dict[str, Any]], out_path: str) -> str
     ax.grid(alpha=0.3)
   axes[0].set_ylabel("attainment (%)")
   _line_legend(axes[0], aggs)
-  _slo_note(fig, rows)
-  return _save(fig, plt, out_path)
+  slo_note(fig, rows)
+  return save_figure(fig, plt, out_path)
 
 
 def plot_p99_vs_rps(rows: Sequence[dict[str, Any]], out_path: str) -> str:
   """P99 TTFT and P99 TBT (s) vs RPS per policy (mean over repeats), SLOs dashed -> ``out_path``."""
-  plt = _plt()
+  plt = pyplot()
   aggs = aggregate_repeats(rows)
-  colors = _policy_colors(aggs)
+  colors = policy_colors(aggs)
   fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
   for ax, key, slo_key, title in zip(axes, ("ttft_p99_s", "tbt_p99_s"), ("ttft_slo_s", "tbt_slo_s"),
                                      ("P99 TTFT", "P99 TBT")):
@@ -176,249 +114,11 @@ def plot_p99_vs_rps(rows: Sequence[dict[str, Any]], out_path: str) -> str:
     ax.set_ylabel("seconds")
     if any(r.get(key) for r in rows):
       ax.set_yscale("log")
-      _no_minor_labels(ax.yaxis)
+      no_minor_labels(ax.yaxis)
     ax.grid(alpha=0.3, which="both")
   _line_legend(axes[0], aggs)
-  return _save(fig, plt, out_path)
+  return save_figure(fig, plt, out_path)
 
-
-def _single_load_groups(rows: Sequence[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
-  """[(policy, repeats in run order)] sorted by policy (rows assumed to share one rps)."""
-  return [(policy, rs) for (policy, _), rs in group_repeats(rows).items()]
-
-
-def _grouped_bars(ax, groups: Sequence[tuple[str, Sequence[dict[str, Any]]]], key: str,
-                  colors: dict[str, str], *, scale: float = 1.0, fmt: str = "{:.3g}") -> list[float]:
-  """One group per policy, one bar per repeat (hatched if perturbed), a diamond at the mean.
-
-  Returns the plotted (scaled) values. A repeat without a value gets an "n/a" mark instead of a bar.
-  """
-  from matplotlib.transforms import blended_transform_factory
-  width = 0.8 / max([len(rs) for _, rs in groups] + [1])
-  base = blended_transform_factory(ax.transData, ax.transAxes)
-  plotted = []
-  for i, (policy, rs) in enumerate(groups):
-    xs = i + (np.arange(len(rs)) - (len(rs) - 1) / 2.0) * width
-    vals = []
-    for x, r in zip(xs, rs):
-      v = _num_value(r.get(key))
-      tag = f"#{r['run_index']}" if r.get("run_index") is not None else f"r{row_repeat(r)}"
-      if v is None:
-        ax.text(x, 0.02, f"{tag}\nn/a", transform=base, ha="center", va="bottom", fontsize=6)
-        continue
-      v *= scale
-      vals.append(v)
-      ax.bar(x, v, width * 0.9, color=colors[policy], edgecolor="k", lw=0.6,
-             hatch=_PERTURBED_HATCH if r.get("perturbed") else None, alpha=0.85)
-      ax.text(x, 0.01, tag, transform=base, ha="center", va="bottom", fontsize=6,
-              bbox=dict(fc="white", ec="none", pad=0.6, alpha=0.8))
-    if vals:
-      m = float(np.mean(vals))
-      ax.plot([i], [m], marker="D", color="k", ms=6, ls="none", zorder=4)
-      ax.annotate(fmt.format(m), (i + 0.4, m), xytext=(2, 0), textcoords="offset points", fontsize=7,
-                  va="center", ha="left")
-    plotted += vals
-  ax.set_xticks(range(len(groups)))
-  ax.set_xticklabels([f"{p}\n(n={len(rs)})" for p, rs in groups], fontsize=8)
-  ax.set_xlim(-0.6, len(groups) - 0.4 + 0.3)
-  ax.grid(alpha=0.3, axis="y")
-  return plotted
-
-
-def _bar_legend(fig, rows, extra_handles=()) -> None:
-  from matplotlib.lines import Line2D
-  from matplotlib.patches import Patch
-  handles = [Patch(facecolor="white", edgecolor="k", label="one bar per repeat (#i: run order)"),
-             Line2D([], [], marker="D", color="k", ls="none", label="mean over repeats")]
-  if any(r.get("perturbed") for r in rows):
-    handles.insert(1, Patch(facecolor="white", edgecolor="k", hatch=_PERTURBED_HATCH,
-                            label="perturbed (step-time drift)"))
-  handles += list(extra_handles)
-  fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
-
-
-_BAR_RECT = (0, 0.07, 1, 0.98)
-
-
-def _load_title(rows) -> str:
-  rps = sorted({float(r["rps"]) for r in rows})
-  return f"at {format_rps(rps[0])} req/s" if len(rps) == 1 else ""
-
-
-def plot_attainment_bars(rows: Sequence[dict[str, Any]], out_path: str) -> str:
-  """SLO / TTFT / TBT attainment (%) per policy at one load, one bar per repeat -> ``out_path``."""
-  plt = _plt()
-  groups = _single_load_groups(rows)
-  colors = _policy_colors(p for p, _ in groups)
-  fig, axes = plt.subplots(1, 3, figsize=(max(10.0, 1.6 * 3 * len(groups) + 3), 4.2), sharey=True)
-  for ax, (key, title) in zip(axes, _ATTAINMENT):
-    _grouped_bars(ax, groups, key, colors, scale=100.0, fmt="{:.1f}")
-    ax.set_title(title, fontsize=10)
-    ax.set_ylim(0, 105)
-  axes[0].set_ylabel("attainment (%)")
-  _slo_note(fig, rows, prefix=_load_title(rows))
-  _bar_legend(fig, rows)
-  return _save(fig, plt, out_path, rect=_BAR_RECT)
-
-
-def plot_latency_bars(rows: Sequence[dict[str, Any]], out_path: str) -> str:
-  """P50 / P99 of TTFT and TBT (s) per policy at one load, one bar per repeat -> ``out_path``."""
-  plt = _plt()
-  from matplotlib.lines import Line2D
-  groups = _single_load_groups(rows)
-  colors = _policy_colors(p for p, _ in groups)
-  fig, axes = plt.subplots(1, 4, figsize=(max(13.0, 1.3 * 4 * len(groups) + 3), 4.2))
-  has_slo = False
-  for ax, key, slo_key, title in zip(
-      axes, ("ttft_p50_s", "ttft_p99_s", "tbt_p50_s", "tbt_p99_s"),
-      ("ttft_slo_s", "ttft_slo_s", "tbt_slo_s", "tbt_slo_s"),
-      ("P50 TTFT", "P99 TTFT", "P50 TBT", "P99 TBT")):
-    vals = _grouped_bars(ax, groups, key, colors)
-    slos = {r[slo_key] for r in rows if r.get(slo_key)}
-    for slo in slos:
-      ax.axhline(slo, color="k", ls="--", lw=0.8)
-      has_slo = True
-    pos = [v for v in vals + list(slos) if v > 0]
-    if pos and max(pos) / min(pos) > 20:
-      ax.set_yscale("log")
-      _no_minor_labels(ax.yaxis)
-    ax.set_title(title, fontsize=10)
-    ax.set_ylabel("seconds")
-  _slo_note(fig, rows, prefix=_load_title(rows))
-  _bar_legend(fig, rows, [Line2D([], [], color="k", ls="--", lw=0.8, label="SLO")] if has_slo else [])
-  return _save(fig, plt, out_path, rect=_BAR_RECT)
-
-
-def plot_rotation_bars(rows: Sequence[dict[str, Any]], out_path: str) -> str:
-  """Rotations per step and mean residency (steps) per policy at one load, per repeat -> ``out_path``."""
-  plt = _plt()
-  groups = _single_load_groups(rows)
-  colors = _policy_colors(p for p, _ in groups)
-  fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.4 * 2 * len(groups) + 3), 3.8))
-  for ax, key, title, ylabel in zip(
-      axes, ("rotations_per_step", "mean_residency_steps"),
-      ("rotations per step", "mean residency (steps)"), ("rotations / step", "steps")):
-    vals = _grouped_bars(ax, groups, key, colors)
-    ax.set_title(title, fontsize=10)
-    ax.set_ylabel(ylabel)
-    ax.set_ylim(0, 1.15 * max(vals + [1e-9]))
-  t = _load_title(rows)
-  fig.suptitle("rotation behaviour" + (f" {t}" if t else ""), fontsize=9)
-  _bar_legend(fig, rows)
-  return _save(fig, plt, out_path, rect=(0, 0.09, 1, 0.98))
-
-
-def _cdf(ax, x: np.ndarray, label: str):
-  if x.size:
-    xs = np.sort(x)
-    ax.step(xs, np.arange(1, xs.size + 1) / xs.size, where="post", label=label)
-
-
-def plot_latency_cdfs(timelines_by_policy: dict[str, Sequence[RequestTimeline]], out_path: str, *,
-                      title: str = "", ttft_slo_s: float | None = None,
-                      tbt_slo_s: float | None = None, labels: dict[str, str] | None = None) -> str:
-  """Empirical CDFs of TTFT and of pooled TBT gaps (s, log x) per policy -> ``out_path``.
-
-  ``labels``: optional legend text per policy (default: the policy name).
-  """
-  plt = _plt()
-  labels = labels or {}
-  fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-  for policy, tls in sorted(timelines_by_policy.items()):
-    s = latency_samples(tls)
-    _cdf(axes[0], s["ttft"], labels.get(policy, policy))
-    _cdf(axes[1], s["tbt"], labels.get(policy, policy))
-  for ax, name, slo in zip(axes, ("TTFT", "TBT"), (ttft_slo_s, tbt_slo_s)):
-    if slo:
-      ax.axvline(slo, color="k", ls="--", lw=0.8)
-    ax.set_xlabel(f"{name} (s)")
-    ax.set_ylabel("CDF")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    if ax.has_data():
-      ax.set_xscale("log")
-      _no_minor_labels(ax.xaxis)
-      ax.legend()
-    ax.set_title(f"{name} CDF" + (f" — {title}" if title else ""))
-  return _save(fig, plt, out_path)
-
-
-def _spans(tl: RequestTimeline) -> list[tuple[float, float, str]]:
-  """(start, end, state) spans from arrival to the last event; derived if there are no state changes."""
-  end = max([tl.arrival_s] + list(tl.token_times_s[-1:]) + [t for t, _ in tl.state_changes])
-  changes = list(tl.state_changes)
-  if not changes:
-    changes = [(tl.arrival_s, WAITING)]
-    if tl.token_times_s:
-      changes.append((tl.first_scheduled_s or tl.token_times_s[0], RUNNING))
-  elif changes[0][0] > tl.arrival_s:
-    changes.insert(0, (tl.arrival_s, WAITING))
-  spans = []
-  for (t0, s), (t1, _) in zip(changes, changes[1:] + [(end, "")]):
-    if t1 > t0 and s != "finished":
-      spans.append((t0, t1, s))
-  return spans
-
-
-def plot_request_timeline(timelines: Sequence[RequestTimeline], out_path: str, *, title: str = "",
-                          max_requests: int = 40) -> str:
-  """Per-request timeline (state spans, token ticks, rotation markers) -> ``out_path``."""
-  plt = _plt()
-  from matplotlib.patches import Patch
-  chosen = sorted(timelines, key=lambda t: (-t.num_rotations, t.arrival_s))[:max_requests]
-  chosen.sort(key=lambda t: t.arrival_s)
-  t0 = min((t.arrival_s for t in chosen), default=0.0)
-  fig, ax = plt.subplots(figsize=(12, max(2.5, 0.28 * len(chosen) + 1.2)))
-  used = set()
-  for y, tl in enumerate(chosen):
-    for a, b, s in _spans(tl):
-      ax.barh(y, b - a, left=a - t0, height=0.6, color=STATE_COLORS.get(s, _OTHER_COLOR), lw=0)
-      used.add(s)
-    if tl.token_times_s:
-      tt = np.asarray(tl.token_times_s) - t0
-      ax.vlines(tt, y - 0.3, y + 0.3, color="k", lw=0.4)
-    rot = [t - t0 for t, s in tl.state_changes if s == ROTARY]
-    if rot:
-      ax.plot(rot, [y] * len(rot), "v", color="#dd8452", mec="k", ms=6)
-  ax.set_yticks(range(len(chosen)))
-  ax.set_yticklabels([t.request_id for t in chosen], fontsize=7)
-  ax.invert_yaxis()
-  ax.set_xlabel("time since first arrival (s)")
-  ax.set_ylabel("request")
-  handles = [Patch(color=STATE_COLORS.get(s, _OTHER_COLOR), label=s) for s in
-             sorted(used, key=lambda s: list(STATE_COLORS).index(s) if s in STATE_COLORS else 99)]
-  ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-  ax.set_title(title or "per-request timeline (ticks: output tokens, triangles: rotations out)")
-  return _save(fig, plt, out_path)
-
-
-def _no_minor_labels(axis):
-  """Log axis labelled at 1-2-5 steps in plain numbers (no overlapping minor-tick labels)."""
-  from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-  axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-  axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-  axis.set_minor_formatter(NullFormatter())
-
-
-def _slo_note(fig, rows, prefix: str = ""):
-  slos = {(r.get("ttft_slo_s"), r.get("tbt_slo_s")) for r in rows}
-  parts = [prefix] if prefix else []
-  if len(slos) == 1:
-    ttft, tbt = next(iter(slos))
-    if ttft and tbt:
-      parts.append(f"SLO: TTFT <= {ttft:g} s, TBT/TPOT <= {1000 * tbt:g} ms")
-  if parts:
-    fig.suptitle(" — ".join(parts), fontsize=9)
-
-
-def _save(fig, plt, out_path: str, rect=None) -> str:
-  d = os.path.dirname(out_path)
-  if d:
-    os.makedirs(d, exist_ok=True)
-  fig.tight_layout(rect=rect)
-  fig.savefig(out_path, dpi=110)
-  plt.close(fig)
-  return out_path
 
 
 def find_request_files(results_dir: str) -> dict[tuple[str, float, int], str]:
@@ -465,7 +165,7 @@ def plot_results_dir(results_dir: str, out_dir: str | None = None, *,
   elif len(rps_values) == 1:
     written.append(plot_attainment_bars(rows, os.path.join(out_dir, "attainment_bars.png")))
     written.append(plot_latency_bars(rows, os.path.join(out_dir, "latency_bars.png")))
-    if any(_num_value(r.get(k)) is not None for r in rows
+    if any(num_value(r.get(k)) is not None for r in rows
            for k in ("rotations_per_step", "mean_residency_steps")):
       written.append(plot_rotation_bars(rows, os.path.join(out_dir, "rotation_bars.png")))
   # rps matched as written in file names (format_rps), so a rounded name still finds its row's SLOs.
@@ -529,6 +229,51 @@ def series_label(row: dict[str, Any], x_key: str) -> str:
   return f"{base}[{','.join(f'{k}={v}' for k, v in variant.items())}]" if variant else base
 
 
+def _panel_layout(num_panels: int, num_metrics: int) -> tuple[int, int, list[tuple[int, int, tuple[int, int]]]]:
+  """The axes grid of ``plot_figure_panels``: ``(nrows, ncols, cells)``, each cell ``(panel index, metric
+  index, (row, col))``. One panel: its metrics in a grid of up to 4 columns; several: a column per panel and
+  a row per metric."""
+  if num_panels == 1:
+    ncols = min(num_metrics, 4)
+    nrows = -(-num_metrics // ncols)
+    return nrows, ncols, [(0, i, divmod(i, ncols)) for i in range(num_metrics)]
+  return num_metrics, num_panels, [(j, i, (i, j)) for j in range(num_panels) for i in range(num_metrics)]
+
+
+def _draw_metric(ax, rows: Sequence[dict[str, Any]], x_key: str, key: str, colors: dict[str, str], *,
+                 log_x: bool) -> bool:
+  """Draws metric ``key`` (of ``FIGURE_METRICS``, scaled) of ``rows`` against ``row[x_key]`` on ``ax``: a
+  line per ``series_label`` at the mean of the rows at each x, their min-max range shaded where there are
+  several; the latency metrics' SLOs dashed; log y for the log metrics, log2 x when ``log_x``; a grid.
+  Rows missing x or the metric are skipped. -> whether any line was drawn."""
+  _, scale, log_y = FIGURE_METRICS[key]
+  samples: dict[str, dict[float, list[float]]] = {}
+  for r in rows:
+    x, y = num_value(r.get(x_key)), num_value(r.get(key))
+    if x is not None and y is not None:
+      samples.setdefault(series_label(r, x_key), {}).setdefault(x, []).append(scale * y)
+  points = {lab: {x: sum(ys) / len(ys) for x, ys in pts.items()} for lab, pts in samples.items()}
+  for lab, pts in sorted(samples.items()):
+    xs = sorted(pts)
+    ax.plot(xs, [points[lab][x] for x in xs], marker="o", label=lab, color=colors[lab])
+    if any(len(pts[x]) > 1 for x in xs):
+      ax.fill_between(xs, [min(pts[x]) for x in xs], [max(pts[x]) for x in xs], color=colors[lab], alpha=0.2,
+                      lw=0)
+  slo_key = {"ttft_p99_s": "ttft_slo_s", "ttft_p50_s": "ttft_slo_s", "tbt_p99_s": "tbt_slo_s",
+             "tbt_p50_s": "tbt_slo_s"}.get(key)
+  for slo in sorted({r[slo_key] for r in rows if slo_key and r.get(slo_key)}):
+    ax.axhline(slo, color="k", ls="--", lw=0.8)
+  if log_y and any(v > 0 for pts in points.values() for v in pts.values()):
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(plain_formatter())
+    ax.yaxis.set_minor_formatter(plain_formatter(minor=True))
+  if log_x:
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(plain_formatter())
+  ax.grid(alpha=0.3, which="both")
+  return bool(points)
+
+
 def plot_figure_panels(panels: Sequence[tuple[str, str, Sequence[dict[str, Any]]]], out_path: str, *,
                        metrics: Sequence[str], title: str = "", log_x: Sequence[str] = ()) -> str:
   """One figure of a paper experiment: a column per panel (``(panel title, x_key, rows)``), a row of axes
@@ -540,47 +285,18 @@ def plot_figure_panels(panels: Sequence[tuple[str, str, Sequence[dict[str, Any]]
   if unknown or not metrics or not panels:
     raise ValueError(f"plot_figure_panels: need panels and metrics from {sorted(FIGURE_METRICS)}, got "
                      f"{len(panels)} panels, metrics {list(metrics)}")
-  plt = _plt()
+  plt = pyplot()
   labels = sorted({series_label(r, x_key) for _, x_key, rows in panels for r in rows})
   colors = {lab: f"C{i % 10}" for i, lab in enumerate(labels)}
-  if len(panels) == 1:   # one panel: its metrics in a grid of up to 4 columns, each axis titled
-    ncols = min(len(metrics), 4)
-    nrows = -(-len(metrics) // ncols)
-    cells = [(0, i, divmod(i, ncols)) for i in range(len(metrics))]
-  else:                  # a column per panel, a row per metric
-    nrows, ncols = len(metrics), len(panels)
-    cells = [(j, i, (i, j)) for j in range(len(panels)) for i in range(len(metrics))]
+  nrows, ncols, cells = _panel_layout(len(panels), len(metrics))
   fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols + 1.0, 3.0 * nrows + 0.4), squeeze=False)
   used = set()
   for j, i, (ri, ci) in cells:
     panel_title, x_key, rows = panels[j]
-    key = metrics[i]
-    name, scale, log_y = FIGURE_METRICS[key]
     ax = axes[ri][ci]
     used.add((ri, ci))
-    samples: dict[str, dict[float, list[float]]] = {}
-    for r in rows:
-      x, y = _num_value(r.get(x_key)), _num_value(r.get(key))
-      if x is not None and y is not None:
-        samples.setdefault(series_label(r, x_key), {}).setdefault(x, []).append(scale * y)
-    points = {lab: {x: sum(ys) / len(ys) for x, ys in pts.items()} for lab, pts in samples.items()}
-    for lab, pts in sorted(samples.items()):
-      xs = sorted(pts)
-      ax.plot(xs, [points[lab][x] for x in xs], marker="o", label=lab, color=colors[lab])
-      if any(len(pts[x]) > 1 for x in xs):
-        ax.fill_between(xs, [min(pts[x]) for x in xs], [max(pts[x]) for x in xs], color=colors[lab], alpha=0.2,
-                        lw=0)
-    slo_key = {"ttft_p99_s": "ttft_slo_s", "ttft_p50_s": "ttft_slo_s", "tbt_p99_s": "tbt_slo_s",
-               "tbt_p50_s": "tbt_slo_s"}.get(key)
-    for slo in sorted({r[slo_key] for r in rows if slo_key and r.get(slo_key)}):
-      ax.axhline(slo, color="k", ls="--", lw=0.8)
-    if log_y and any(v > 0 for pts in points.values() for v in pts.values()):
-      ax.set_yscale("log")
-      ax.yaxis.set_major_formatter(_plain_formatter())
-      ax.yaxis.set_minor_formatter(_plain_formatter(minor=True))
-    if x_key in log_x:
-      ax.set_xscale("log", base=2)
-      ax.xaxis.set_major_formatter(_plain_formatter())
+    drew = _draw_metric(ax, rows, x_key, metrics[i], colors, log_x=x_key in log_x)
+    name = FIGURE_METRICS[metrics[i]][0]
     if len(panels) == 1:
       ax.set_title(name, fontsize=9)
     else:
@@ -590,23 +306,11 @@ def plot_figure_panels(panels: Sequence[tuple[str, str, Sequence[dict[str, Any]]
         ax.set_ylabel(name, fontsize=9)
     if len(panels) == 1 or ri == nrows - 1:
       ax.set_xlabel(X_LABELS.get(x_key, x_key), fontsize=9)
-    ax.grid(alpha=0.3, which="both")
-    if (ri, ci) == (0, 0) and points:
+    if (ri, ci) == (0, 0) and drew:
       ax.legend(fontsize=7)
   for ri in range(nrows):
     for ci in range(ncols):
       if (ri, ci) not in used:
         axes[ri][ci].set_visible(False)
-  _slo_note(fig, [r for _, _, rows in panels for r in rows], prefix=title)
-  return _save(fig, plt, out_path, rect=(0, 0, 1, 0.96) if title else None)
-
-
-def _plain_formatter(minor: bool = False):
-  """Plain-number tick labels (``minor``: only at 2x and 5x a power of ten, so log axes stay legible)."""
-  from matplotlib.ticker import FuncFormatter
-
-  def fmt(v, _):
-    if minor and not any(abs(v / 10 ** math.floor(math.log10(v)) - m) < 1e-6 for m in (2, 5)):
-      return ""
-    return f"{v:g}"
-  return FuncFormatter(fmt)
+  slo_note(fig, [r for _, _, rows in panels for r in rows], prefix=title)
+  return save_figure(fig, plt, out_path, rect=(0, 0, 1, 0.96) if title else None)

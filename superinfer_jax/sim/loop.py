@@ -100,6 +100,203 @@ class SimResult:
   kv_demand: list[float] = dataclasses.field(default_factory=list)
 
 
+class _SimRun:
+  """The mutable state of one ``Simulator.run``: the pending arrivals (sorted), the live set, the timeline
+  recorder, the counters and per-plan series, the link's busy-until time and the idle-plan count. Its methods
+  are the loop's named steps; ``Simulator.run`` owns the loop. Never reads the wall clock except ``wall0``."""
+
+  def __init__(self, sim: "Simulator", requests: Sequence[Any], progress: bool, desc: str):
+    self.sim, self.sched, self.clock, self.cost = sim, sim.sched, sim.clock, sim.cost
+    self.wall0 = time.perf_counter()
+    self.pending = sorted(requests, key=lambda s: (s.arrival_s, str(s.request_id)))
+    self.t0 = self.clock.now()
+    self.rec = TimelineRecorder()
+    self.live: set = set()
+    self.rejected: list[tuple[str, str]] = []
+    self.bar = progress_bar(len(self.pending), desc, progress)
+    self.c = dict(plans=0, model_steps=0, rotations_out=0, rotations_in=0, blocks_out=0, blocks_writeback=0,
+                  blocks_in=0, recompute_preemptions=0, round_trips=0, contended_steps=0, kv_contended_steps=0,
+                  dropped_seqs=0,
+                  transfer_s=0.0, exposed_transfer_s=0.0, residency_steps=0, empty_plans=0)
+    self.step_times: list[float] = []
+    self.occupancy: list[float] = []
+    self.kv_demand: list[float] = []
+    self.bm = getattr(self.sched, "bm", None)
+    self.pool = self.bm.num_device_blocks if self.bm is not None else 0
+    self.nxt, self.link_free, self.last_token, self.idle = 0, self.t0, self.t0, 0
+
+  def arrivals(self, now: float) -> None:
+    """Adds every pending request that has arrived by ``now`` (s) to the scheduler and the recorder; one
+    the scheduler refuses (``ValueError``) is recorded in ``rejected`` and never goes live."""
+    i, pending = self.nxt, self.pending
+    while i < len(pending) and self.t0 + pending[i].arrival_s <= now:
+      spec = pending[i]
+      i += 1
+      rid = str(spec.request_id)
+      arrival = self.t0 + spec.arrival_s
+      self.rec.add_request(rid, arrival, spec.prompt_len, target_output_len=spec.output_len,
+                           source=getattr(spec, "source", "") or "")
+      try:
+        self.sched.add_request(Request(rid, spec.prompt_len, spec.output_len, arrival))
+      except ValueError as e:
+        self.rejected.append((rid, str(e)))
+        if self.bar is not None:
+          self.bar.update(1)
+        continue
+      self.live.add(rid)
+    self.nxt = i
+
+  def planned(self, plan) -> float:
+    """Bookkeeping of a fresh plan (state changes at plan time, counters, occupancy); returns its copy
+    time (s), 0 when it moves no block."""
+    if self.sim.plan_hook is not None:
+      self.sim.plan_hook(plan)
+    c, t, live, rec = self.c, plan.time, self.live, self.rec
+    c["plans"] += 1
+    if plan.rotated_out:
+      c["rotations_out"] += len(plan.rotated_out)
+      c["residency_steps"] += plan.residency_steps
+      for rid in plan.rotated_out:
+        if rid in live:
+          rec.state(rid, t, ROTARY)
+    if plan.preempted:
+      c["recompute_preemptions"] += len(plan.preempted)
+      for rid in plan.preempted:
+        if rid in live:
+          rec.state(rid, t, PREEMPTED)
+    for ids in (plan.rotated_in, plan.admitted):
+      for rid in ids:
+        if rid in live:
+          rec.state(rid, t, RUNNING)
+    c["rotations_in"] += len(plan.rotated_in)
+    c["round_trips"] += len(plan.round_trips)
+    if plan.contention:
+      c["contended_steps"] += 1
+    self._record_pool()
+    return self._plan_copies(plan)
+
+  def _record_pool(self) -> None:
+    """Appends the device pool's occupancy and KV demand (shares of the pool) after a plan, counting a
+    KV-contended step where demand exceeds the pool; nothing without a block manager."""
+    pool = self.pool
+    if pool:
+      used = pool - self.bm.num_free_device_blocks
+      self.occupancy.append(used / pool)
+      self.kv_demand.append((used + self.sched.demand_blocks) / pool)
+      if used + self.sched.demand_blocks > pool:
+        self.c["kv_contended_steps"] += 1
+
+  def _plan_copies(self, plan) -> float:
+    """Counts ``plan``'s copies (blocks out, write-back, in) and returns their time (s) from the cost model."""
+    c = self.c
+    n_out = len(plan.swap_out) + len(plan.writeback)
+    n_in = len(plan.swap_in)
+    if not (n_out or n_in):
+      return 0.0
+    c["blocks_out"] += len(plan.swap_out)
+    c["blocks_writeback"] += len(plan.writeback)
+    c["blocks_in"] += n_in
+    x = self.cost.transfer_time(n_out, n_in)
+    c["transfer_s"] += x
+    return x
+
+  def completed(self, plan, seqs, t: float) -> list:
+    """Step of ``plan`` (batch ``seqs``) ended at ``t``: tokens, ``on_step_done``, finishes; returns the
+    finished ids. ``RuntimeError`` after ``MAX_IDLE_PLANS`` plans in a row without work while requests
+    are live."""
+    n_tok = 0
+    for s in seqs:
+      if s.sample:
+        self.rec.token(s.req_id, t)
+        n_tok += 1
+    if n_tok:
+      self.last_token = t
+    done = self.sched.on_step_done(plan, None, None, now=t)
+    for rid in done:
+      self.rec.finish(rid, t, "length")
+      self.live.discard(rid)
+    if done and self.bar is not None:
+      self.bar.update(len(done))
+    self.sched.pop_finished()
+    if n_tok or plan.has_work:
+      self.idle = 0
+    else:
+      self.idle += 1
+      self.c["empty_plans"] += 1
+      if self.idle > MAX_IDLE_PLANS and self.live:
+        raise RuntimeError(f"the scheduler made no progress for {MAX_IDLE_PLANS} plans with {len(self.live)} "
+                           f"requests live at t={t:.3f}s; stuck")
+    return done
+
+  def start_copies(self, now: float, x: float) -> float:
+    """Copies of ``x`` s issued at ``now`` on the (possibly busy) link; returns when they finish."""
+    if x <= 0:
+      return now
+    end = max(now, self.link_free) + x
+    self.link_free = end
+    return end
+
+  def dispatched(self, seqs, copies_end: float, ready: float) -> float:
+    """A model step of ``seqs`` starts once both the copies (``copies_end``) and the previous step
+    (``ready``) are done: counts it and its exposed copy time; returns when it ends (s)."""
+    start = max(ready, copies_end)
+    step = self.cost.step_time(seqs)
+    self.c["model_steps"] += 1
+    self.c["exposed_transfer_s"] += start - ready
+    self.step_times.append(start - ready + step)
+    return start + step
+
+  def first_step(self, now: float):
+    """With nothing in flight at ``now``: plans a step and runs or dispatches it. Returns the in-flight
+    ``(plan, seqs, end)`` under pipelining, else None (the step, if any, already completed)."""
+    sched, clock = self.sched, self.clock
+    plan = sched.schedule(lookahead=False) if self.sim.pipeline else sched.schedule()
+    xfer_end = self.start_copies(now, self.planned(plan))
+    seqs = plan.scheduled
+    if not seqs:
+      clock.set(max(xfer_end, now + self.cost.empty_step_s))
+      self.completed(plan, (), clock.now())
+      return None
+    end = self.dispatched(seqs, xfer_end, now)
+    if not self.sim.pipeline:
+      clock.set(end)
+      self.completed(plan, seqs, clock.now())
+      return None
+    return (plan, seqs, end)
+
+  def next_step(self, inflight, overlap: bool):
+    """Step k (``inflight``) is in flight: plans k+1 (lookahead) and starts its copies (only once step k
+    has finished where copies share its cores, ``overlap`` False), completes k, then dispatches k+1 minus
+    the seqs that finished at k. Returns the new in-flight triple, or None when k+1 has nothing to run."""
+    clock = self.clock
+    nxt_plan = self.sched.schedule(lookahead=True)
+    x = self.planned(nxt_plan)
+    plan, seqs, end = inflight
+    xfer_end = self.start_copies(clock.now() if overlap else max(end, clock.now()), x)
+    clock.set(end)
+    done = self.completed(plan, seqs, end)
+    seqs = nxt_plan.scheduled
+    if done and seqs:
+      gone = set(done)
+      kept = [s for s in seqs if s.req_id not in gone]
+      self.c["dropped_seqs"] += len(seqs) - len(kept)
+      seqs = kept
+    if not seqs:
+      self.completed(nxt_plan, (), end)   # nothing to dispatch: the engine completes the plan at once
+      return None
+    return (nxt_plan, seqs, self.dispatched(seqs, xfer_end, end))
+
+  def result(self, timed_out: bool) -> SimResult:
+    """The run's ``SimResult``: duration to the last token (to now when ``timed_out``), bytes counters."""
+    c, bb = self.c, self.sim.block_bytes
+    c["swap_out_bytes"] = (c["blocks_out"] + c["blocks_writeback"]) * bb
+    c["swap_in_bytes"] = c["blocks_in"] * bb
+    duration = (self.clock.now() - self.t0) if timed_out else (self.last_token - self.t0)
+    return SimResult(timelines=self.rec.timelines(), duration_s=max(duration, 1e-9), counters=c,
+                     step_times_s=self.step_times, rejected=self.rejected, wall_s=time.perf_counter() - self.wall0,
+                     timed_out=timed_out, occupancy=self.occupancy, kv_demand=self.kv_demand)
+
+
 class Simulator:
   """Drives ``scheduler`` (any ``SchedulerProtocol``; its clock must be ``clock``) through a workload.
 
@@ -120,124 +317,10 @@ class Simulator:
           time_limit_s: Optional[float] = None) -> SimResult:
     """Simulates ``requests`` (``workload.RequestSpec``s: ``request_id``, ``prompt_len``, ``output_len``,
     ``arrival_s`` seconds after the start) to completion, or until ``time_limit_s`` of virtual time."""
-    wall0 = time.perf_counter()
-    sched, clock, cost = self.sched, self.clock, self.cost
-    pending = sorted(requests, key=lambda s: (s.arrival_s, str(s.request_id)))
-    n_pending = len(pending)
-    t0 = clock.now()
-    rec = TimelineRecorder()
-    token = rec.token
-    live: set = set()
-    rejected: list[tuple[str, str]] = []
-    bar = progress_bar(n_pending, desc, progress)
-    c = dict(plans=0, model_steps=0, rotations_out=0, rotations_in=0, blocks_out=0, blocks_writeback=0,
-             blocks_in=0, recompute_preemptions=0, round_trips=0, contended_steps=0, kv_contended_steps=0,
-             dropped_seqs=0,
-             transfer_s=0.0, exposed_transfer_s=0.0, residency_steps=0, empty_plans=0)
-    step_times: list[float] = []
-    occupancy: list[float] = []
-    kv_demand: list[float] = []
-    bm = getattr(sched, "bm", None)
-    pool = bm.num_device_blocks if bm is not None else 0
-    state = dict(nxt=0, link_free=t0, last_token=t0, idle=0)
-
-    def arrivals(now: float) -> None:
-      i = state["nxt"]
-      while i < n_pending and t0 + pending[i].arrival_s <= now:
-        spec = pending[i]
-        i += 1
-        rid = str(spec.request_id)
-        arrival = t0 + spec.arrival_s
-        rec.add_request(rid, arrival, spec.prompt_len, target_output_len=spec.output_len,
-                        source=getattr(spec, "source", "") or "")
-        try:
-          sched.add_request(Request(rid, spec.prompt_len, spec.output_len, arrival))
-        except ValueError as e:
-          rejected.append((rid, str(e)))
-          if bar is not None:
-            bar.update(1)
-          continue
-        live.add(rid)
-      state["nxt"] = i
-
-    def planned(plan) -> float:
-      """Bookkeeping of a fresh plan (state changes at plan time, counters); returns its copy time."""
-      if self.plan_hook is not None:
-        self.plan_hook(plan)
-      t = plan.time
-      c["plans"] += 1
-      if plan.rotated_out:
-        c["rotations_out"] += len(plan.rotated_out)
-        c["residency_steps"] += plan.residency_steps
-        for rid in plan.rotated_out:
-          if rid in live:
-            rec.state(rid, t, ROTARY)
-      if plan.preempted:
-        c["recompute_preemptions"] += len(plan.preempted)
-        for rid in plan.preempted:
-          if rid in live:
-            rec.state(rid, t, PREEMPTED)
-      for ids in (plan.rotated_in, plan.admitted):
-        for rid in ids:
-          if rid in live:
-            rec.state(rid, t, RUNNING)
-      c["rotations_in"] += len(plan.rotated_in)
-      c["round_trips"] += len(plan.round_trips)
-      if plan.contention:
-        c["contended_steps"] += 1
-      if pool:
-        used = pool - bm.num_free_device_blocks
-        occupancy.append(used / pool)
-        kv_demand.append((used + sched.demand_blocks) / pool)
-        if used + sched.demand_blocks > pool:
-          c["kv_contended_steps"] += 1
-      n_out = len(plan.swap_out) + len(plan.writeback)
-      n_in = len(plan.swap_in)
-      if not (n_out or n_in):
-        return 0.0
-      c["blocks_out"] += len(plan.swap_out)
-      c["blocks_writeback"] += len(plan.writeback)
-      c["blocks_in"] += n_in
-      x = cost.transfer_time(n_out, n_in)
-      c["transfer_s"] += x
-      return x
-
-    def completed(plan, seqs, t: float) -> list:
-      """Step of ``plan`` (batch ``seqs``) ended at ``t``: tokens, ``on_step_done``, finishes."""
-      n_tok = 0
-      for s in seqs:
-        if s.sample:
-          token(s.req_id, t)
-          n_tok += 1
-      if n_tok:
-        state["last_token"] = t
-      done = sched.on_step_done(plan, None, None, now=t)
-      for rid in done:
-        rec.finish(rid, t, "length")
-        live.discard(rid)
-      if done and bar is not None:
-        bar.update(len(done))
-      sched.pop_finished()
-      if n_tok or plan.has_work:
-        state["idle"] = 0
-      else:
-        state["idle"] += 1
-        c["empty_plans"] += 1
-        if state["idle"] > MAX_IDLE_PLANS and live:
-          raise RuntimeError(f"the scheduler made no progress for {MAX_IDLE_PLANS} plans with {len(live)} "
-                             f"requests live at t={t:.3f}s; stuck")
-      return done
-
-    def start_copies(now: float, x: float) -> float:
-      """Copies of ``x`` s issued at ``now`` on the (possibly busy) link; returns when they finish."""
-      if x <= 0:
-        return now
-      end = max(now, state["link_free"]) + x
-      state["link_free"] = end
-      return end
-
+    st = _SimRun(self, requests, progress, desc)
+    clock, t0 = self.clock, st.t0
     inflight = None   # (plan, dispatched seqs, end time of the step)
-    overlap = getattr(cost, "copies_overlap_compute", True)
+    overlap = getattr(self.cost, "copies_overlap_compute", True)
     timed_out = False
     try:
       while True:
@@ -245,63 +328,21 @@ class Simulator:
         if time_limit_s is not None and now - t0 > time_limit_s:
           timed_out = True
           break
-        arrivals(now)
+        st.arrivals(now)
         if inflight is None:
-          if not live:
-            if state["nxt"] >= n_pending:
+          if not st.live:
+            if st.nxt >= len(st.pending):
               break
-            clock.set(max(now, t0 + pending[state["nxt"]].arrival_s))
+            clock.set(max(now, t0 + st.pending[st.nxt].arrival_s))
             continue
-          plan = sched.schedule(lookahead=False) if self.pipeline else sched.schedule()
-          xfer_end = start_copies(now, planned(plan))
-          seqs = plan.scheduled
-          if not seqs:
-            clock.set(max(xfer_end, now + cost.empty_step_s))
-            completed(plan, (), clock.now())
+          inflight = st.first_step(now)
+          if inflight is None:
             continue
-          step = cost.step_time(seqs)
-          c["model_steps"] += 1
-          c["exposed_transfer_s"] += xfer_end - now
-          step_times.append(xfer_end - now + step)
-          if not self.pipeline:
-            clock.set(xfer_end + step)
-            completed(plan, seqs, clock.now())
-            continue
-          inflight = (plan, seqs, xfer_end + step)
-        # Step k is in flight: plan k+1 (lookahead) and start its copies, then complete k, then dispatch k+1.
-        # (Where copies share the step's cores they start only once step k has finished.)
-        nxt_plan = sched.schedule(lookahead=True)
-        x = planned(nxt_plan)
-        plan, seqs, end = inflight
-        xfer_end = start_copies(clock.now() if overlap else max(end, clock.now()), x)
-        inflight = None
-        clock.set(end)
-        done = completed(plan, seqs, end)
-        seqs = nxt_plan.scheduled
-        if done and seqs:
-          gone = set(done)
-          kept = [s for s in seqs if s.req_id not in gone]
-          c["dropped_seqs"] += len(seqs) - len(kept)
-          seqs = kept
-        if not seqs:
-          completed(nxt_plan, (), end)   # nothing to dispatch: the engine completes the plan at once
-          continue
-        start = max(end, xfer_end)
-        step = cost.step_time(seqs)
-        c["model_steps"] += 1
-        c["exposed_transfer_s"] += start - end
-        step_times.append(start - end + step)
-        inflight = (nxt_plan, seqs, start + step)
+        inflight = st.next_step(inflight, overlap)
     finally:
-      if bar is not None:
-        bar.close()
-    bb = self.block_bytes
-    c["swap_out_bytes"] = (c["blocks_out"] + c["blocks_writeback"]) * bb
-    c["swap_in_bytes"] = c["blocks_in"] * bb
-    duration = (clock.now() - t0) if timed_out else (state["last_token"] - t0)
-    return SimResult(timelines=rec.timelines(), duration_s=max(duration, 1e-9), counters=c,
-                     step_times_s=step_times, rejected=rejected, wall_s=time.perf_counter() - wall0,
-                     timed_out=timed_out, occupancy=occupancy, kv_demand=kv_demand)
+      if st.bar is not None:
+        st.bar.close()
+    return st.result(timed_out)
 
 
 def derived_counters(counters: dict[str, Any]) -> dict[str, Any]:

@@ -148,22 +148,11 @@ def _tokenizer(spec: SweepSpec, log):
   return tok
 
 
-def run_sim_sweep(spec: SweepSpec, engine_config, sim_config: SimConfig, *, log=print,
-                  row_tags: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
-  """Simulates every (policy, variant, rps) of ``spec``; returns the rows (also in ``results.jsonl``).
-  ``row_tags`` are added to every row (``figures`` names the figure and its part)."""
-  variants = spec.variants
-  validate_variants(spec, engine_config, sim_config)   # fail before any work on a bad --vary
-  if spec.calibrate:
-    log("[sim] --calibrate is ignored by the simulator (nothing to measure): the load is --rps and the SLOs "
-        "are --ttft_slo / --tbt_slo")
-  if spec.repeats > 1:
-    log(f"[sim] a simulated run is deterministic: each (policy, variant, rps) runs once, not {spec.repeats} times")
-  base = resolve_run(engine_config, sim_config, spec.model)
-  mcfg = load_config(sim_config.model_profile or spec.model)
-  max_len = min(base.engine_config.model.max_model_len or mcfg.max_position_embeddings,
-                mcfg.max_position_embeddings,
-                base.engine_config.num_device_blocks * base.engine_config.block_size)
+def _workloads(spec: SweepSpec, sim_config: SimConfig, mcfg, max_len: int, log):
+  """Where the sweep's requests come from: ``(rps values, workload_at(rps) -> Workload, time_scale)``. With
+  ``sim_config.trace``, the trace (lengths scaled, at most ``max_len`` tokens) at its recorded arrivals (the
+  one rps is its mean rate) or rescaled to each rps (``time_scale[rps]`` records the factor, filled as
+  ``workload_at`` is called); else ``spec``'s synthetic workload at each rps, lengths scaled."""
   rps_values = spec.rps_values
   scale = sim_config.length_scale
   time_scale: dict[float, float] = {}   # rps -> factor the trace's arrival times were multiplied by
@@ -191,6 +180,27 @@ def run_sim_sweep(spec: SweepSpec, engine_config, sim_config: SimConfig, *, log=
     def workload_at(rps: float):
       w = spec.make_workload(tokenizer, rps, max_total_len=max_len, vocab_size=mcfg.vocab_size)
       return w.scale_lengths(scale, max_len)
+  return rps_values, workload_at, time_scale
+
+
+def run_sim_sweep(spec: SweepSpec, engine_config, sim_config: SimConfig, *, log=print,
+                  row_tags: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
+  """Simulates every (policy, variant, rps) of ``spec``; returns the rows (also in ``results.jsonl``).
+  ``row_tags`` are added to every row (``figures`` names the figure and its part)."""
+  variants = spec.variants
+  validate_variants(spec, engine_config, sim_config)   # fail before any work on a bad --vary
+  if spec.calibrate:
+    log("[sim] --calibrate is ignored by the simulator (nothing to measure): the load is --rps and the SLOs "
+        "are --ttft_slo / --tbt_slo")
+  if spec.repeats > 1:
+    log(f"[sim] a simulated run is deterministic: each (policy, variant, rps) runs once, not {spec.repeats} times")
+  base = resolve_run(engine_config, sim_config, spec.model)
+  mcfg = load_config(sim_config.model_profile or spec.model)
+  max_len = min(base.engine_config.model.max_model_len or mcfg.max_position_embeddings,
+                mcfg.max_position_embeddings,
+                base.engine_config.num_device_blocks * base.engine_config.block_size)
+  scale = sim_config.length_scale
+  rps_values, workload_at, time_scale = _workloads(spec, sim_config, mcfg, max_len, log)
   if scale != 1.0:
     log(f"[sim] every prompt and output length is scaled by {scale:g} (--length_scale)")
 

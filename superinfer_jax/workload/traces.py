@@ -117,20 +117,11 @@ def _count(text: str, col: str, where: str) -> int:
   return int(v)
 
 
-def read_trace(path: str, *, num_requests: Optional[int] = None, min_prompt_len: int = 1,
-               max_prompt_len: Optional[int] = None, min_output_len: int = 1,
-               max_output_len: Optional[int] = None, max_total_len: Optional[int] = None,
-               token_ids: bool = True, vocab_size: int = 32000, seed: int = 0,
-               name: Optional[str] = None, start: int = 0) -> tuple[Workload, TraceInfo]:
-  """Reads an Azure or Splitwise trace CSV (module docstring) into a ``Workload``, arrivals relative to the
-  first kept request, plus a ``TraceInfo``. Length bounds as ``workload.filter_requests``; after filtering,
-  the first ``start`` requests (by arrival) are skipped and ``num_requests`` keeps the next N (a window of
-  the trace). ``path`` may name a packaged trace (``PACKAGED_TRACES``)."""
-  path = resolve_trace(path)
-  if not os.path.isfile(path):
-    raise TraceError(f"trace {path!r} is not a file")
-  if num_requests is not None and num_requests < 1:
-    raise TraceError(f"num_requests must be >= 1, got {num_requests}")
+def _read_rows(path: str) -> tuple[str, list[tuple[float, int, int, int]], int, int]:
+  """The data rows of the trace CSV at ``path``: ``(format, rows, data rows, rows skipped)``, each row
+  ``(arrival s, data-row number, prompt tokens, output tokens)`` in file order; rows with 0 prompt or 0
+  output tokens are skipped (counted), blank lines ignored. ``TraceError`` for an empty file, an unknown
+  header, a short row or an unparsable field (naming ``path:line``)."""
   with open(path, newline="", encoding="utf-8-sig") as f:
     reader = csv.reader(f)
     header = next((row for row in reader if any(c.strip() for c in row)), None)
@@ -159,6 +150,24 @@ def read_trace(path: str, *, num_requests: Optional[int] = None, min_prompt_len:
         skipped += 1
         continue
       rows.append((t, n_rows, p, o))
+  return fmt, rows, n_rows, skipped
+
+
+def read_trace(path: str, *, num_requests: Optional[int] = None, min_prompt_len: int = 1,
+               max_prompt_len: Optional[int] = None, min_output_len: int = 1,
+               max_output_len: Optional[int] = None, max_total_len: Optional[int] = None,
+               token_ids: bool = True, vocab_size: int = 32000, seed: int = 0,
+               name: Optional[str] = None, start: int = 0) -> tuple[Workload, TraceInfo]:
+  """Reads an Azure or Splitwise trace CSV (module docstring) into a ``Workload``, arrivals relative to the
+  first kept request, plus a ``TraceInfo``. Length bounds as ``workload.filter_requests``; after filtering,
+  the first ``start`` requests (by arrival) are skipped and ``num_requests`` keeps the next N (a window of
+  the trace). ``path`` may name a packaged trace (``PACKAGED_TRACES``)."""
+  path = resolve_trace(path)
+  if not os.path.isfile(path):
+    raise TraceError(f"trace {path!r} is not a file")
+  if num_requests is not None and num_requests < 1:
+    raise TraceError(f"num_requests must be >= 1, got {num_requests}")
+  fmt, rows, n_rows, skipped = _read_rows(path)
   if not n_rows:
     raise TraceError(f"{path}: no data rows after the header")
   rows.sort()
