@@ -13,6 +13,7 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from superinfer_jax.serving import protocol as P  # noqa: E402
+from superinfer_jax.serving.request_parsing import parse_json_body, parse_request  # noqa: E402
 from superinfer_jax.serving.app import build_app  # noqa: E402
 from superinfer_jax.serving.chat import FALLBACK_TEMPLATE, render_chat  # noqa: E402
 from superinfer_jax.serving.metrics import parse_metrics  # noqa: E402
@@ -20,9 +21,9 @@ from superinfer_jax.serving.testing import FakeEngine  # noqa: E402
 
 
 def test_parse_request_defaults_and_errors():
-  req, _ = P.parse_request({"prompt": "hi"}, "completion", ["m"])
+  req, _ = parse_request({"prompt": "hi"}, "completion", ["m"])
   assert req.model == "m" and req.max_tokens == 16 and req.temperature == 1.0 and not req.stream
-  req, msgs = P.parse_request({"model": "m", "messages": [{"role": "user", "content": [
+  req, msgs = parse_request({"model": "m", "messages": [{"role": "user", "content": [
       {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "max_completion_tokens": 5,
       "ttft_slo": 2.0, "tbt_slo": 0.1, "ignore_eos": True}, "chat", ["m"])
   assert msgs == [{"role": "user", "content": "ab"}] and req.max_tokens == 5 and req.ttft_slo == 2.0
@@ -33,7 +34,7 @@ def test_parse_request_defaults_and_errors():
            ({"prompt": "x", "temperature": float("nan")}, 400)]
   for body, status in cases:
     with pytest.raises(P.APIError) as e:
-      P.parse_request(body, "completion", ["m"])
+      parse_request(body, "completion", ["m"])
     assert e.value.status == status, body
     assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
   with pytest.raises(P.APIError) as e:
@@ -67,7 +68,7 @@ REFUSED_BODIES = [
 def test_unimplemented_fields_are_refused_naming_them(kind, name, value):
   base = {"prompt": "x"} if kind == "completion" else {"messages": [{"role": "user", "content": "x"}]}
   with pytest.raises(P.APIError) as e:
-    P.parse_request(dict(base, **{name: value}), kind, ["m"])
+    parse_request(dict(base, **{name: value}), kind, ["m"])
   assert e.value.status == 400 and e.value.param == name and e.value.code == "unsupported_parameter"
   assert f"'{name}'" in e.value.message
 
@@ -78,16 +79,16 @@ def test_default_values_of_refused_fields_are_accepted():
                                      "logit_bias": {}, "user": "u", "logprobs": None}),
                      ("chat", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "text"},
                                "tools": [], "tool_choice": "none", "logprobs": False, "n": 2})):
-    req, _ = P.parse_request(body, kind, ["m"])
+    req, _ = parse_request(body, kind, ["m"])
     assert req.logprobs is None
-  req, _ = P.parse_request({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 3},
+  req, _ = parse_request({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 3},
                            "chat", ["m"])
   assert req.logprobs == 3
-  req, _ = P.parse_request({"prompt": "x", "logprobs": 0}, "completion", ["m"])
+  req, _ = parse_request({"prompt": "x", "logprobs": 0}, "completion", ["m"])
   assert req.logprobs == 0
   for body in ({"prompt": "x", "logprobs": 21}, {"prompt": "x", "logprobs": 2, "stream": True}):
     with pytest.raises(P.APIError) as e:
-      P.parse_request(body, "completion", ["m"])
+      parse_request(body, "completion", ["m"])
     assert e.value.param == "logprobs"
 
 
@@ -102,9 +103,9 @@ def test_lone_surrogates_are_a_400():
   for raw in (b'{"prompt": "a\\ud800b"}', b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
               b'{"prompt": "x", "stop": ["\\ud83d"]}'):
     with pytest.raises(P.APIError) as e:
-      P.parse_json_body(raw)
+      parse_json_body(raw)
     assert e.value.status == 400 and e.value.code == "invalid_unicode" and "Unicode" in e.value.message
-  assert P.parse_json_body('{"prompt": "\\ud83d\\ude00"}'.encode())["prompt"] == "\U0001F600"   # a valid pair
+  assert parse_json_body('{"prompt": "\\ud83d\\ude00"}'.encode())["prompt"] == "\U0001F600"   # a valid pair
 
 
 def test_chat_templates():

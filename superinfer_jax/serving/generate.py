@@ -18,6 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from superinfer_jax.serving import protocol as P
+from superinfer_jax.serving import responses as R
 from superinfer_jax.serving.choices import Choices, submit_choices
 from superinfer_jax.serving.errors import error_response
 from superinfer_jax.serving.logprobs import token_logprobs
@@ -50,7 +51,7 @@ class Completions:
       req, prompt_ids, choices = await self._admit(request, kind)
     except P.APIError as e:
       return error_response(e)
-    created = P.now_s()
+    created = R.now_s()
     if req.stream:
       return StreamingResponse(self._stream(req, choices, created, len(prompt_ids)), media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -95,7 +96,7 @@ class Completions:
 
   async def _collect(self, request: Request, req, choices: Choices, created: int, prompt_ids: list[int]):
     """The non-streamed body: every choice's text, tokens and finish reason (and logprobs when asked)."""
-    out = [P.Choice("", [], None) for _ in range(req.n)]
+    out = [R.Choice("", [], None) for _ in range(req.n)]
     texts: list[list[str]] = [[] for _ in range(req.n)]
     loop = asyncio.get_running_loop()
     next_check = [loop.time() + self.disconnect_poll_s]
@@ -118,7 +119,7 @@ class Completions:
       for c in out:
         c.tokens, c.logprobs = await loop.run_in_executor(self.score_pool, self._logprobs, prompt_ids,
                                                           c.token_ids, req.logprobs)
-    return P.full_response(req, created, out, len(prompt_ids))
+    return R.full_response(req, created, out, len(prompt_ids))
 
   async def _stream(self, req, choices: Choices, created: int, n_prompt: int):
     """Server-sent chunks: the role first (chat), a chunk per output, a final chunk per choice, usage when
@@ -128,7 +129,7 @@ class Completions:
       n_out = 0
       if req.kind == "chat":   # the role comes first, as OpenAI sends it
         for i in range(req.n):
-          yield P.sse(P.chunk(req, created, "", [], None, first=True, index=i))
+          yield R.sse(R.chunk(req, created, "", [], None, first=True, index=i))
           first[i] = False
       empty = "" if req.kind == "completion" else None
       while not choices.all_final:
@@ -136,20 +137,20 @@ class Completions:
         if ev_kind == "error":
           for j, final in enumerate(choices.final):
             if not final:
-              yield P.sse(P.chunk(req, created, empty, [], "abort", index=j))
+              yield R.sse(R.chunk(req, created, empty, [], "abort", index=j))
           choices.final[i] = True
-          yield P.sse(ev.body())
+          yield R.sse(ev.body())
           break
         n_out += len(ev.token_ids)
         if ev.token_ids or ev.text:
-          yield P.sse(P.chunk(req, created, ev.text, ev.token_ids, None, first=first[i], index=i))
+          yield R.sse(R.chunk(req, created, ev.text, ev.token_ids, None, first=first[i], index=i))
           first[i] = False
         if ev.finished:
           choices.final[i] = True
-          yield P.sse(P.chunk(req, created, empty, [], ev.finish_reason, index=i))
+          yield R.sse(R.chunk(req, created, empty, [], ev.finish_reason, index=i))
       else:
         if req.include_usage:
-          yield P.sse(P.usage_chunk(req, created, n_prompt, n_out))
+          yield R.sse(R.usage_chunk(req, created, n_prompt, n_out))
       yield "data: [DONE]\n\n"
     finally:
       if not choices.all_final:

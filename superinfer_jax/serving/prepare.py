@@ -11,6 +11,7 @@ from superinfer_jax.engine.config import SamplingParams
 from superinfer_jax.model.tokenizer import encode_text
 from superinfer_jax.serving import protocol as P
 from superinfer_jax.serving.chat import ChatTemplateError, render_chat
+from superinfer_jax.serving.request_parsing import parse_json_body, parse_request
 
 
 async def read_body(request: Request, max_body_bytes: int) -> bytes:
@@ -42,7 +43,7 @@ class RequestPreparer:
     self.vocab_size, self.max_model_len = vocab_size, max_model_len
 
   def __call__(self, raw: bytes, kind: str):
-    req, messages = P.parse_request(P.parse_json_body(raw), kind, self.names)
+    req, messages = parse_request(parse_json_body(raw), kind, self.names)
     if kind == "chat":
       prompt_ids = self._chat_prompt(messages)
     elif isinstance(req.prompt, str):
