@@ -61,7 +61,7 @@ flags.DEFINE_bool("table1", False, "Instead of the sweeps: the paper's Table 1 (
 flags.DEFINE_string("table1_model", "qwen2.5-32b", "KV shape of --table1 (a key of MODELS).")
 flags.DEFINE_integer("table1_tokens", 32768, "Tokens per direction of --table1 (the paper's 32768), cut to what "
                      "half the device memory holds (the report says so).")
-flags.DEFINE_string("table1_out", "", "--table1 also writes <this>.md and <this>.json.")
+flags.DEFINE_string("table1_out", "", "--table1 also writes <this>.table.md and <this>.json.")
 
 # (layers, kv heads, head dim) of the KV caches in docs/paper.md §5; block 16, bf16.
 MODELS = {
@@ -218,7 +218,7 @@ def _table1(torch) -> None:
   text = format_table1(rows, title)
   print(text, flush=True)
   if FLAGS.table1_out:
-    with open(FLAGS.table1_out + ".md", "w", encoding="utf-8") as f:
+    with open(FLAGS.table1_out + ".table.md", "w", encoding="utf-8") as f:
       f.write(text)
     with open(FLAGS.table1_out + ".json", "w", encoding="utf-8") as f:
       json.dump({"title": title, "model": FLAGS.table1_model, "blocks": n, "block_bytes": spec.block_bytes,

@@ -11,7 +11,7 @@ code and log tail, and the rest still run):
      the decode and mixed shapes, written into ``<out>/ragged_paged_attention.json``), then the bench with that
      table: Pallas vs jnp reference vs JAX's paged attention, GB/s, % of HBM peak, traffic analysis.
   3. ``transfer``: ``scripts/bench_transfer.py --json`` (DuplexKV modes vs torch pinned copies), then its
-     ``--table1`` report (the paper's Table 1 shape; ``table1.md`` / ``table1.json`` in ``--out``).
+     ``--table1`` report (the paper's Table 1 shape; ``table1.table.md`` / ``table1.json`` in ``--out``).
   4. ``engine``: ``scripts/bench_engine.py --random_weights`` on Llama-3-8B's shape in bf16 at batch 1 / 32 / 64,
      the zero-bubble engine and transformers side by side: per batch decode tok/s, ms/step, dispatch ms and
      device idle ms per step, the speedup, and the weight-stream bound (weight bytes / the card's memory

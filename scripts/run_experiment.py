@@ -40,7 +40,7 @@ define_distributed_flags()
 flags.DEFINE_bool("random_weights", False, "--model names a model config (configs/models/); random weights of "
                   "its shape in --dtype, prompts tokenized by the simulator's stand-in tokenizer")
 flags.DEFINE_bool("simulate", False, "after the real sweep (one load), fit the simulator to each run's steps, "
-                  "replay the same requests in it and write real_vs_sim.md / .json and plots (scripts/real_vs_sim.py)")
+                  "replay the same requests in it and write real_vs_sim.table.md / .json and plots (scripts/real_vs_sim.py)")
 flags.DEFINE_string("sim_profile", "auto", "with --simulate: the hardware profile the simulator starts from "
                     "(a name in configs/hardware/ or a scripts/calibrate.py JSON; auto: the packaged one of this "
                     "device); its link numbers are kept, its step cost refitted to each run")

@@ -26,7 +26,7 @@ def test_device_check_dry_run_writes_every_stage(tmp_path):
   assert {r["mode"] for r in d["transfer"]["results"]} >= {"merged", "duplex"}
   assert [r["mode"] for r in d["transfer"]["table1"]["rows"]] == ["naive", "merged", "merged_kernel", "duplex",
                                                                    "ideal"]
-  assert (tmp_path / "table1.md").exists()
+  assert (tmp_path / "table1.table.md").exists()
   assert len(d["experiment"]["entries"]) == 7 and all(os.path.exists(p) for p in d["experiment"]["plots"])
   for b in ("1", "2"):
     row = d["engine"]["by_batch"][b]

@@ -44,7 +44,7 @@ def test_table1_report_on_cpu(tmp_path):
   assert "| mode | D2H GB/s | H2D GB/s | total ms | % of ideal | note |" in proc.stdout
   assert "torch: n/a" in proc.stdout
   rep = json.loads((tmp_path / "t1.json").read_text())
-  assert (tmp_path / "t1.md").read_text().startswith("Table 1 on ")
+  assert (tmp_path / "t1.table.md").read_text().startswith("Table 1 on ")
   block_bytes = 2 * 30 * 16 * 3 * 64 * 2
   assert rep["blocks"] == 4 and rep["block_bytes"] == block_bytes
   rows = {r["mode"]: r for r in rep["rows"]}
