@@ -12,7 +12,8 @@ import pytest
 from superinfer_jax.sweep import SweepSpec, parse_policy_entry, variant_label
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ROTATING = ("wf", "rotasched", "rotasched_strict", "rotasched[proactive_swap_budget=8]")
+# The policies that rotate on every contended step; wf's few rotations depend on timing under load.
+ROTATING = ("rotasched", "rotasched_strict", "rotasched[proactive_swap_budget=8]")
 
 
 def test_policy_entries_carry_their_own_settings():
