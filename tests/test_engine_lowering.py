@@ -26,7 +26,9 @@ pytestmark = pytest.mark.gpu   # numerics / kernels / transfers that depend on t
 GPU_CUSTOM_CALLS = {"__gpu$xla.gpu.triton", "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"}
 
 
-def _lower_for_cuda(layer_loop: str, mode: str) -> str:
+def _lower_for_cuda(layer_loop: str, mode: str, processing_entries: int = 0, num_logprobs: int = 0) -> str:
+  """The step's StableHLO for CUDA; ``processing_entries`` > 0 adds a logit-processing buffer of that many
+  entries per row, ``num_logprobs`` the logprobs output."""
   cfg = load_config("tiny-llama")
   params = jax.eval_shape(lambda: runner_lib.step_layout(init_random_params(cfg, jax.random.key(0)), cfg,
                                                          layer_loop, False))
@@ -35,9 +37,12 @@ def _lower_for_cuda(layer_loop: str, mode: str) -> str:
   size = max(stop for _, stop in packing.offsets(dims).values())
   cache = jax.ShapeDtypeStruct(cfg.kv_spec(16, "bfloat16").shape(32), jnp.bfloat16)
   attn = functools.partial(ragged_paged_attention, interpret=False)
+  processing = (jax.ShapeDtypeStruct((dims[3], 4 * processing_entries + 3), jnp.int32) if processing_entries
+                else None)
   lowered = runner_lib._jit_step.trace(   # pylint: disable=protected-access
       tuple(leaves), cache, jax.ShapeDtypeStruct((size,), jnp.int32), jax.ShapeDtypeStruct((8,), jnp.int32),
-      dims=dims, mode=mode, cfg=cfg, attention=attn, params_def=params_def).lower(lowering_platforms=("cuda",))
+      processing, dims=dims, mode=mode, num_logprobs=num_logprobs, cfg=cfg, attention=attn,
+      params_def=params_def).lower(lowering_platforms=("cuda",))
   return lowered.as_text()
 
 
@@ -49,6 +54,13 @@ def test_unrolled_step_for_cuda_has_no_loop_conditional_or_host_call(mode):
   targets = set(re.findall(r"call_target_name\s*=\s*\"([^\"]+)\"", txt))
   targets |= set(re.findall(r"stablehlo\.custom_call\s*@([\w$.]+)", txt))
   assert targets <= GPU_CUSTOM_CALLS, targets - GPU_CUSTOM_CALLS  # no host callback, no CPU custom call
+  assert "callback" not in txt
+
+
+def test_step_with_logit_processing_and_logprobs_for_cuda_has_no_loop_or_conditional():
+  txt = _lower_for_cuda("unrolled", "filtered", processing_entries=16, num_logprobs=20)
+  assert "scatter" in txt                                       # the penalties' counts, scattered into [R, V]
+  assert not re.search(r"stablehlo\.(while|case|if)\b", txt), "a loop or conditional in the GPU step"
   assert "callback" not in txt
 
 

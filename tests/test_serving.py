@@ -185,7 +185,7 @@ def test_real_engine_recovers_from_a_failed_step(tmp_path):
     return LLMEngine(str(tmp_path), cfg)
 
   eng = LLMEngine(str(tmp_path), cfg)
-  real = eng.runner.read_tokens
+  real = eng.runner.read_step
   calls = {"n": 0}
 
   def flaky(handle):
@@ -194,7 +194,7 @@ def test_real_engine_recovers_from_a_failed_step(tmp_path):
       raise RuntimeError("injected device failure")
     return real(handle)
 
-  eng.runner.read_tokens = flaky
+  eng.runner.read_step = flaky
   gc.freeze()   # as scripts/serve.py does once its engine is built: the rebuild unfreezes, then freezes again
   try:
     _serve_through_a_failure(eng, factory, made)

@@ -350,7 +350,8 @@ def _cuda_lowering(tp) -> dict:
   attn = tp.attention(functools.partial(ragged_paged_attention, interpret=False))
   leaves, params_def = jax.tree.flatten(params)
   lowered = engine_lib._jit_step.trace(  # pylint: disable=protected-access
-      tuple(leaves), cache, packed, prev_tokens, dims=dims, mode="greedy", cfg=cfg_tp, attention=attn,
+      tuple(leaves), cache, packed, prev_tokens, None, dims=dims, mode="greedy", num_logprobs=0, cfg=cfg_tp,
+      attention=attn,
       params_def=params_def, logits_sharding=tp.replicated).lower(lowering_platforms=("cuda",))
   txt = lowered.as_text()
   main = next(line for line in txt.splitlines() if "func.func public @main" in line)

@@ -11,7 +11,8 @@ EngineConfig`` stays JAX-free)::
 """
 from superinfer_jax.engine.config import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_REASONS,
                                           FINISH_STOP, CompletionOutput, EngineConfig, RequestOutput,
-                                          SamplingParams, define_engine_flags, engine_config_from_flags)
+                                          SamplingParams, TokenLogprobs, define_engine_flags,
+                                          engine_config_from_flags)
 
 _LAZY = {"LLMEngine": "engine", "EngineStats": "stats", "RequestError": "core", "ModelRunner": "runner",
          "JaxModelRunner": "runner",
@@ -28,5 +29,5 @@ def __getattr__(name):
 
 __all__ = ["CompletionOutput", "EngineConfig", "EngineStats", "FINISH_ABORT", "FINISH_ERROR",
            "FINISH_LENGTH", "FINISH_REASONS", "FINISH_STOP", "IncrementalDetokenizer", "JaxModelRunner", "LLMEngine", "ModelRunner",
-           "RequestError", "RequestOutput", "SamplingArrays", "SamplingParams", "define_engine_flags",
+           "RequestError", "RequestOutput", "SamplingArrays", "SamplingParams", "TokenLogprobs", "define_engine_flags",
            "engine_config_from_flags", "sample"]

@@ -16,7 +16,7 @@ No JAX import here: scripts (and the simulator) can build configs without touchi
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from superinfer_jax import configtree
 from superinfer_jax.configtree import knob, subtree
@@ -120,6 +120,19 @@ class EngineConfig:
     return configtree.as_flat_dict(self)
 
 
+class TokenLogprobs(NamedTuple):
+  """The logprobs of one output token (``SamplingParams.logprobs``): its own log-probability under the
+  log-softmax of the raw model logits, and the ``k`` most likely tokens as ``(token id, logprob)``,
+  most likely first."""
+  logprob: float
+  top: list[tuple[int, float]]
+
+  @classmethod
+  def of_row(cls, values, ids, k: int) -> "TokenLogprobs":
+    """From one row of a step's logprobs (``values [1 + K]``, ``ids [K]``, K >= k)."""
+    return cls(float(values[0]), [(int(ids[j]), float(values[1 + j])) for j in range(k)])
+
+
 @dataclasses.dataclass
 class RequestOutput:
   """New output of one request produced by one engine step (or the final accumulated output).
@@ -132,7 +145,8 @@ class RequestOutput:
   ``(time, state)`` pairs in order, ``time`` being the clock reading the step's plan was made at and
   ``state`` one of "running" (admitted, or its KV rotated back in), "rotary" (KV rotated out to host
   memory), "preempted" (KV dropped, to be recomputed): what a timeline needs without reading the
-  scheduler.
+  scheduler. ``logprobs`` (only when the request asked, ``SamplingParams.logprobs``): one ``TokenLogprobs``
+  per token of ``token_ids``.
   """
   request_id: str
   token_ids: list[int]
@@ -143,11 +157,13 @@ class RequestOutput:
   prompt_token_ids: Optional[list[int]] = None
   error: Optional[str] = None
   state_changes: list[tuple[float, str]] = dataclasses.field(default_factory=list)
+  logprobs: Optional[list[TokenLogprobs]] = None
 
 
 @dataclasses.dataclass
 class CompletionOutput:
-  """The whole result of one request, as ``LLMEngine.generate`` returns it."""
+  """The whole result of one request, as ``LLMEngine.generate`` returns it (``logprobs`` as in
+  ``RequestOutput``, for every output token)."""
   request_id: str
   prompt_token_ids: list[int]
   token_ids: list[int]
@@ -155,6 +171,7 @@ class CompletionOutput:
   finish_reason: Optional[str]
   timestamps: list[float]
   arrival_time: float
+  logprobs: Optional[list[TokenLogprobs]] = None
 
 
 # ----------------------------------------------------------------------------------------------- flags

@@ -12,9 +12,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import zlib
+from collections import Counter
 from typing import Optional, Sequence, Union
 
-from superinfer_jax.engine.config import FINISH_LENGTH, FINISH_STOP, CompletionOutput, RequestOutput, SamplingParams
+from superinfer_jax.engine.config import (FINISH_LENGTH, FINISH_STOP, CompletionOutput, RequestOutput, SamplingParams,
+                                          TokenLogprobs)
 from superinfer_jax.engine.detokenizer import IncrementalDetokenizer
 from superinfer_jax.model.tokenizer import encode_text
 from superinfer_jax.sched import Request
@@ -51,7 +53,12 @@ class EngineRequest:
   pending_times: list[float] = dataclasses.field(default_factory=list)
   pending_text: str = ""
   pending_states: list[tuple[float, str]] = dataclasses.field(default_factory=list)
+  pending_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
   reported_final: bool = False
+  # One entry per output token when ``params.logprobs`` is set, else empty.
+  logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+  # Occurrences of each output token (kept only when ``params.processes_logits``: the penalties read it).
+  output_counts: Counter = dataclasses.field(default_factory=Counter)
   # (temperature, top_k (0 = off), top_p, seed): the per-row sampling parameters of its steps (fixed).
   sampling: tuple[float, int, float, int] = dataclasses.field(init=False)
 
@@ -179,7 +186,8 @@ class RequestBook:
     r = self.reqs[request_id]
     return CompletionOutput(request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
                             token_ids=list(r.output_token_ids), text=r.text, finish_reason=r.finish_reason,
-                            timestamps=list(r.timestamps), arrival_time=r.arrival_time)
+                            timestamps=list(r.timestamps), arrival_time=r.arrival_time,
+                            logprobs=list(r.logprobs) if r.params.logprobs is not None else None)
 
   def record_state(self, request_id: str, t: float, state: str) -> None:
     """Queues a scheduling state change (``RequestOutput.state_changes``) of an unfinished request."""
@@ -188,9 +196,18 @@ class RequestBook:
       r.pending_states.append((t, state))
       self.pending_out[request_id] = None
 
-  def append_token(self, r: EngineRequest, tok: int, now: float) -> Optional[str]:
-    """Appends a sampled token; returns a finish reason if the request stops."""
+  def append_token(self, r: EngineRequest, tok: int, now: float, logprobs=None) -> Optional[str]:
+    """Appends a sampled token; returns a finish reason if the request stops. ``logprobs``: the step's row
+    ``(values [1 + k], ids [k])`` when the step computed logprobs (kept only if the request asked)."""
     r.output_token_ids.append(tok)
+    if r.params.processes_logits:
+      r.output_counts[tok] += 1
+    if r.params.logprobs is not None:
+      if logprobs is None:
+        raise RuntimeError(f"request {r.request_id!r} asked for logprobs but its step computed none")
+      entry = TokenLogprobs.of_row(logprobs[0], logprobs[1], r.params.logprobs)
+      r.logprobs.append(entry)
+      r.pending_logprobs.append(entry)
     r.timestamps.append(now)
     r.pending_tokens.append(tok)
     r.pending_times.append(now)
@@ -232,8 +249,10 @@ class RequestBook:
       outs.append(RequestOutput(request_id=r.request_id, token_ids=r.pending_tokens, text=r.pending_text,
                                 timestamps=r.pending_times, finished=r.finished,
                                 finish_reason=r.finish_reason, prompt_token_ids=r.prompt_token_ids,
-                                error=r.error, state_changes=r.pending_states))
+                                error=r.error, state_changes=r.pending_states,
+                                logprobs=r.pending_logprobs if r.params.logprobs is not None else None))
       r.pending_tokens, r.pending_times, r.pending_text, r.pending_states = [], [], "", []
+      r.pending_logprobs = []
       if r.finished:
         r.reported_final = True
     return outs

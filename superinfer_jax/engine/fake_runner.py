@@ -62,15 +62,19 @@ class FakeRunner:
       self.device[int(d)] = self.host[int(s)]
     self.transfers.append((len(swap_out), len(writeback), len(swap_in)))
 
-  def dispatch(self, packed: np.ndarray, dims, mode: str, prev: Optional[np.ndarray]) -> np.ndarray:
-    """Writes the step's tokens at their slots, then samples each sampling row from its context."""
+  def dispatch(self, packed: np.ndarray, dims, mode: str, prev: Optional[packing.StepHandle],
+               processing: Optional[np.ndarray] = None, num_logprobs: int = 0) -> packing.StepHandle:
+    """Writes the step's tokens at their slots, then samples each sampling row from its context. The fake
+    model has no logits: a step asking for logit processing or logprobs raises ``NotImplementedError``."""
+    if processing is not None or num_logprobs:
+      raise NotImplementedError("FakeRunner has no logits: logit_bias, penalties and logprobs need a real model")
     f = {name: packed[a:b] for name, (a, b) in packing.offsets(dims).items()}
     S, MB = dims[1], dims[2]
     del mode                                              # the fake model samples greedily
     tokens = f["token_ids"].astype(np.int64)
     fed = f["feed"] >= 0
     if fed.any():
-      tokens[fed] = prev[f["feed"][fed]]
+      tokens[fed] = prev.tokens[f["feed"][fed]]
     bs = self.kv_spec.block_size
     self.device[f["slot_mapping"] // bs, f["slot_mapping"] % bs] = tokens
     self.device[0] = -1                                   # padding tokens land in block 0: never read
@@ -87,10 +91,10 @@ class FakeRunner:
     self.steps += 1
     if self.clock is not None:
       self.clock.advance(self.step_time(int(dims[0])))
-    return out
+    return packing.StepHandle(out)
 
-  def read_tokens(self, handle: np.ndarray) -> list[int]:
-    return handle.tolist()
+  def read_step(self, handle: packing.StepHandle):
+    return handle.tokens.tolist(), None
 
   def precompile_step(self, packed: np.ndarray, dims) -> None:
     pass

@@ -7,7 +7,7 @@ One engine step (docs/architecture.md "One engine step"):
   2. ``runner.issue_transfers`` starts the plan's KV copies (rotation + eager write-back) ahead of the step.
   3. ``HostBatch`` packs the ragged batch into one int32 buffer; ``runner.dispatch`` puts it on the device and
      enqueues the step, which samples on the device.
-  4. ``runner.read_tokens`` reads the sampled ids back (the only device->host read); ``RequestBook`` runs
+  4. ``runner.read_step`` reads the sampled ids back (the only device->host read); ``RequestBook`` runs
      the stop checks; ``Scheduler.on_step_done`` is told the new tokens and finished requests.
 
 Three loops (``EngineConfig.pipeline`` and ``zero_bubble``):
@@ -33,6 +33,7 @@ import time
 from typing import Any, Optional
 
 from superinfer_jax.engine.config import FINISH_ABORT
+from superinfer_jax.engine import logit_processing
 from superinfer_jax.engine.core import RequestBook
 from superinfer_jax.engine.host_batch import HostBatch, SeqInput
 from superinfer_jax.engine.sampling import sampling_mode
@@ -193,8 +194,10 @@ class StepLoop:
       raise RuntimeError(f"plan has {len(seqs)} sequences: more than max_num_seqs "
                          f"({self.config.scheduler.max_num_seqs}) allows ({self.runner.out_rows} output rows)")
     mode = sampling_mode(s.sampling for s in seqs if s.sampling is not None)
-    tokens = self.runner.dispatch(packed, dims, mode, prev.tokens if prev is not None else None)
-    probe_step = self.idle_probe.dispatched(tokens) if self.idle_probe is not None else -1
+    processing, num_logprobs = self._logit_extras(rows, dims[3])
+    tokens = self.runner.dispatch(packed, dims, mode, prev.tokens if prev is not None else None,
+                                  processing=processing, num_logprobs=num_logprobs)
+    probe_step = self.idle_probe.dispatched(tokens.tokens) if self.idle_probe is not None else -1
     st = self.stats
     st.model_steps += 1
     st.batch_rebuilds += self.host_batch.rebuilds - rebuilds
@@ -202,6 +205,18 @@ class StepLoop:
     st.dispatch_time_s += time.perf_counter() - t0
     st.dispatch_cpu_time_s += time.thread_time() - c0
     return InFlight(plan=plan, tokens=tokens, rows=rows, scheduled=[q.key for q in seqs], probe_step=probe_step)
+
+  def _logit_extras(self, rows: dict[str, int], num_rows: int):
+    """The step's logit-processing buffer (None when no sampling row processes logits) and its logprobs
+    top-k (0 when no sampling row asks for logprobs); ``engine/logit_processing.py``."""
+    processed, wants_logprobs = [], False
+    for rid, row in rows.items():
+      r = self.book.reqs[rid]
+      p = r.params
+      wants_logprobs |= p.logprobs is not None
+      if p.processes_logits:
+        processed.append((row, p, r.prompt_token_ids, r.output_counts))
+    return logit_processing.step_extras(processed, wants_logprobs, num_rows)
 
   def _seq_inputs(self, plan, pending: dict[str, int]) -> tuple[list[SeqInput], dict[str, int], int]:
     """The plan's sequences as ``SeqInput``s, the logits row of each that samples, and the token count.
@@ -241,7 +256,7 @@ class StepLoop:
   def _complete(self, inflight: InFlight) -> float:
     """Reads back a step's sampled ids, runs stop checks, tells the scheduler. Returns seconds waited."""
     t = time.perf_counter()
-    tokens = self.runner.read_tokens(inflight.tokens)
+    tokens, logprobs = self.runner.read_step(inflight.tokens)
     inflight.read_time = t_read = time.perf_counter()
     if self.idle_probe is not None and inflight.probe_step >= 0:
       self.idle_probe.read(inflight.probe_step)
@@ -254,7 +269,8 @@ class StepLoop:
         self.stats.discarded_tokens += r.finish_reason != FINISH_ABORT
         continue
       new_tokens[rid] = tokens[row]
-      reason = self.book.append_token(r, tokens[row], now)
+      reason = self.book.append_token(r, tokens[row], now,
+                                      None if logprobs is None else (logprobs[0][row], logprobs[1][row]))
       if reason is not None:
         finished[rid] = reason
     self._on_step_done(inflight.plan, new_tokens, finished, now)

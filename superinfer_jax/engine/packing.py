@@ -19,9 +19,16 @@ Total ``4T + S*MB + 2S + 1 + 6R`` words. ``offsets(dims)`` names each field's ``
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
+
+class StepHandle(NamedTuple):
+  """What ``ModelRunner.dispatch`` returns (``engine/runner.py``): the step's sampled ids ``[out_rows]`` and,
+  when asked, its logprobs ``(values, ids)``, as device arrays (numpy for a fake runner), not read yet."""
+  tokens: Any
+  logprobs: Any = None
+
 
 FIELDS = ("token_ids", "positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc",
           "logits_indices", "temperature", "top_k", "top_p", "seed", "step", "feed")

@@ -8,13 +8,15 @@ the device only through these calls:
 * ``issue_transfers(swap_out, writeback, swap_in, round_trip)``: starts a plan's KV copies (block-id
   ``PairList``s, ``kv/pairs.py``) in the order ``rotation/duplexkv.py`` specifies, ahead of the step that
   needs them; never waits for them.
-* ``dispatch(packed, dims, mode, prev) -> handle``: puts the step's one packed int32 buffer
-  (``engine/packing.py``) on the device, enqueues the step on the donated cache and returns at once with a
-  handle to the ``out_rows`` sampled ids (row i = logits row i, zero-padded). ``prev`` is the handle of the
-  step before it, whose ids the buffer's token feed may read on the device; ``mode`` is the static sampling
-  mode (``engine/sampling.py``).
-* ``read_tokens(handle) -> list[int]``: blocks until that step is done and returns its ``out_rows`` ids:
-  the only device->host read of the step loop.
+* ``dispatch(packed, dims, mode, prev, processing=None, num_logprobs=0) -> StepHandle``: puts the step's
+  one packed int32 buffer (``engine/packing.py``) on the device, enqueues the step on the donated cache and
+  returns at once with a handle to the ``out_rows`` sampled ids (row i = logits row i, zero-padded). ``prev``
+  is the handle of the step before it, whose ids the buffer's token feed may read on the device; ``mode`` is
+  the static sampling mode (``engine/sampling.py``). ``processing``: the step's logit-processing buffer or
+  None; ``num_logprobs``: 0, or the top-k of logprobs the step also returns (``engine/logit_processing.py``).
+* ``read_step(handle) -> (list[int], logprobs or None)``: blocks until that step is done and returns its
+  ``out_rows`` ids and, when it computed them, its logprobs (``values [out_rows, 1 + k]`` float32, ``ids
+  [out_rows, k]`` int32 numpy): the only device->host read of the step loop.
 * ``precompile_step(packed, dims)``, ``precompile_rotation()``, ``num_compiled_shapes()``: warm-up.
 
 and reads ``model_config``, ``kv_spec``, ``num_device_blocks``, ``num_host_blocks``, ``out_rows``. A test
@@ -34,7 +36,8 @@ from typing import Any, Optional, Protocol
 import jax
 import numpy as np
 
-from superinfer_jax.engine import packing
+from superinfer_jax.engine import logit_processing, packing
+from superinfer_jax.engine.packing import StepHandle
 from superinfer_jax.engine import sampling as sampling_lib
 from superinfer_jax.kv.layout import KVCacheSpec
 from superinfer_jax.model.batch import bucket
@@ -55,9 +58,10 @@ class ModelRunner(Protocol):
   def issue_transfers(self, swap_out, writeback, swap_in, round_trip: bool) -> None: ...
 
   def dispatch(self, packed: np.ndarray, dims: tuple[int, int, int, int], mode: str,
-               prev: Optional[Any]) -> Any: ...
+               prev: Optional[StepHandle], processing: Optional[np.ndarray] = None,
+               num_logprobs: int = 0) -> StepHandle: ...
 
-  def read_tokens(self, handle: Any) -> list[int]: ...
+  def read_step(self, handle: StepHandle) -> tuple[list[int], Optional[tuple[np.ndarray, np.ndarray]]]: ...
 
   def precompile_step(self, packed: np.ndarray, dims: tuple[int, int, int, int]) -> None: ...
 
@@ -66,28 +70,40 @@ class ModelRunner(Protocol):
   def num_compiled_shapes(self) -> int: ...
 
 
-def _step_fn(params, kv_cache, packed, prev_tokens, *, dims, mode, cfg, attention, params_def,
-             logits_sharding=None):
-  """Model forward on the donated cache + on-device sampling. Returns ``(tokens[N] int32, kv_cache)``.
+def _step_fn(params, kv_cache, packed, prev_tokens, processing, *, dims, mode, num_logprobs, cfg, attention,
+             params_def, logits_sharding=None):
+  """Model forward on the donated cache + logit processing + on-device sampling. Returns
+  ``((tokens[N] int32, logprobs or None), kv_cache)``.
 
   ``params``: the flat tuple of the weights' leaves (``params_def``: their static treedef). ``packed``: the
   step's int32 buffer with static batch dims ``dims``; ``prev_tokens`` [N]: the previous step's sampled ids
-  (on device), read where the buffer's feed says so. The R sampled ids are zero-padded to N, so every step's
-  output can be the next one's input. ``logits_sharding`` (tensor parallel): the vocab-sharded logits are
-  gathered to it before sampling."""
+  (on device), read where the buffer's feed says so. ``processing``: None, or the logit-processing buffer
+  [R, 4L+3] (``engine/logit_processing.py``); ``num_logprobs`` (static): 0, or the top-k of the raw-logit
+  logprobs returned as ``(values [N, 1+k], ids [N, k])``. The R sampled ids are zero-padded to N, so every
+  step's output can be the next one's input. ``logits_sharding`` (tensor parallel): the vocab-sharded logits
+  are gathered to it before sampling."""
   params = jax.tree.unflatten(params_def, params)
   batch, samp, feed = packing.unpack(packed, dims)
   batch = batch._replace(token_ids=packing.feed_tokens(batch.token_ids, feed, prev_tokens))
   logits, kv_cache = forward(params, kv_cache, batch, cfg, attention)
   if logits_sharding is not None:
     logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
+  raw = logits
+  if processing is not None:
+    newest = batch.token_ids[batch.logits_indices]
+    logits = logit_processing.apply_processing(logits.astype(jax.numpy.float32), processing, newest,
+                                               feed[batch.logits_indices] >= 0)
   tokens = sampling_lib.sample(logits, *samp, mode=mode)
-  return jax.numpy.zeros_like(prev_tokens).at[:tokens.shape[0]].set(tokens), kv_cache
+  pad = lambda x: jax.numpy.zeros((prev_tokens.shape[0],) + x.shape[1:], x.dtype).at[:x.shape[0]].set(x)  # noqa: E731
+  lp = None
+  if num_logprobs:
+    lp = tuple(pad(x) for x in logit_processing.logprobs(raw, tokens, num_logprobs))
+  return (pad(tokens), lp), kv_cache
 
 
 # One jit for all runners in the process (cfg and attention static), so engines built on the same model and
 # bucket floors share compilations.
-_jit_step = jax.jit(_step_fn, static_argnames=("dims", "mode", "cfg", "attention", "params_def",
+_jit_step = jax.jit(_step_fn, static_argnames=("dims", "mode", "num_logprobs", "cfg", "attention", "params_def",
                                                "logits_sharding"),
                     donate_argnums=(1,))
 
@@ -199,25 +215,32 @@ class JaxModelRunner:
     else:
       self.kv_cache = self.duplex.issue(self.kv_cache, swap_out, writeback, swap_in)
 
-  def dispatch(self, packed: np.ndarray, dims, mode: str, prev: Optional[jax.Array]) -> jax.Array:
-    """Enqueues one step (module docstring); returns its sampled ids ``[out_rows]`` int32 on the device."""
+  def dispatch(self, packed: np.ndarray, dims, mode: str, prev: Optional[StepHandle],
+               processing: Optional[np.ndarray] = None, num_logprobs: int = 0) -> StepHandle:
+    """Enqueues one step (module docstring); returns its handle (sampled ids ``[out_rows]`` int32 on the
+    device, and its logprobs when ``num_logprobs``)."""
     packed_dev = self._put(packed)
-    prev_tokens = prev if prev is not None else self._no_tokens
-    tokens, self.kv_cache = _jit_step(self._param_leaves, self.kv_cache, packed_dev, prev_tokens, dims=dims,
-                                      mode=mode, params_def=self._params_def, **self._step_kwargs)
+    proc_dev = self._put(processing) if processing is not None else None
+    prev_tokens = prev.tokens if prev is not None else self._no_tokens
+    (tokens, lp), self.kv_cache = _jit_step(self._param_leaves, self.kv_cache, packed_dev, prev_tokens, proc_dev,
+                                            dims=dims, mode=mode, num_logprobs=num_logprobs,
+                                            params_def=self._params_def, **self._step_kwargs)
     if self.early_readback:
       # The ids' device->host copy starts now, ahead of the next plan's swap-out copies, which depend on
       # this step too: reading them must not queue behind a large rotation. Explicit, like device_get.
       with jax.transfer_guard_device_to_host("allow"):
-        tokens.copy_to_host_async()
-    return tokens
+        for x in (tokens,) + (lp or ()):
+          x.copy_to_host_async()
+    return StepHandle(tokens, lp)
 
-  def read_tokens(self, handle: jax.Array) -> list[int]:
-    return jax.device_get(handle).tolist()
+  def read_step(self, handle: StepHandle):
+    """The step's ids as a list and its logprobs (numpy ``(values, ids)``) or None; waits for the step."""
+    tokens, lp = jax.device_get((handle.tokens, handle.logprobs))
+    return tokens.tolist(), lp
 
   def precompile_step(self, packed: np.ndarray, dims) -> None:
     """Runs (and so compiles) the step of ``dims`` on a dummy greedy batch and waits for it."""
-    jax.block_until_ready(self.dispatch(packed, dims, sampling_lib.GREEDY, None))
+    jax.block_until_ready(self.dispatch(packed, dims, sampling_lib.GREEDY, None).tokens)
 
   def precompile_rotation(self) -> None:
     """Compiles every rotation gather/scatter bucket (no-op without a host pool)."""
