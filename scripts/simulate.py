@@ -10,7 +10,8 @@
 Flags: the workload / sweep flags of scripts/run_experiment.py (``sweep.SweepSpec``), the engine's
 config tree (``engine.config.EngineConfig``: pools, pipeline, --transfer_mode, --kv_layout, scheduler knobs)
 and the simulator's own (``sim.config.SimConfig``: --hardware, --model_profile, --swap_bandwidth_gbps,
---tensor_parallel_size, --fixed_step_s, --trace, --trace_arrivals). ``--trace PATH`` replays an Azure LLM
+--fixed_step_s, --trace, --trace_arrivals, --length_scale); the simulated TP degree is the engine's
+--tensor_parallel_size. ``--trace PATH`` replays an Azure LLM
 inference or Splitwise CSV (arrivals and lengths; format from the header) instead of --dataset. Defaults
 that differ from run_experiment.py (the paper's GPU setting, docs/paper.md §2.2 / §5): --model=llama-3-8b,
 --dtype=bfloat16, --num_device_blocks=0 (size the pool from the profile's HBM), --num_host_blocks=-1 with
@@ -38,9 +39,9 @@ from superinfer_jax.sim.figures import (DEFAULT_WORKLOAD, figure_names, get_figu
 from superinfer_jax.sim.runner import (read_sim_trace, report, resolve_run, run_sim_sweep,  # noqa: E402
                                       validate_variants)
 
-configtree.define_flags(SimConfig)   # first: --hardware and --tensor_parallel_size are SimConfig's
+configtree.define_flags(SimConfig)   # first: --hardware is SimConfig's
 configtree.define_flags(SweepSpec, shared={"hardware"})           # the profile's name is the results' label
-configtree.define_flags(EngineConfig, shared={"tensor_parallel_size"})
+configtree.define_flags(EngineConfig)
 flags.DEFINE_enum("figure", None, figure_names(),
                   "rerun a named paper experiment (sim/figures.py; docs/simulator.md 'Figures') into --output_dir "
                   "(default runs/figure-<name>) with its plot; flags given explicitly override its settings")

@@ -100,6 +100,16 @@ def test_figure_settings_reach_the_runs(tmp_path):
   assert max(r["blocks_in_per_step"] for k, r in rota.items() if k[1] == 300) <= 300
 
 
+def test_bandwidth_figure_runs_vllms_swap():
+  """Fig. 2 is vLLM with offloading: its part runs layer-by-layer copies (naive) that the step waits for
+  (no pipeline), whatever the engine's defaults are."""
+  spec, engine, sim, explicit = _base()
+  part = get_figure("bandwidth").parts[0]
+  _, p_eng, _, _ = part_configs(part, spec, engine, sim, explicit=explicit, workload="sharegpt")
+  assert engine.pipeline and engine.rotation.transfer_mode == "duplex"
+  assert not p_eng.pipeline and p_eng.rotation.transfer_mode == "naive"
+
+
 def test_part_configs_explicit_wins_and_unknown_fails():
   spec, engine, sim, _ = _base()
   part = get_figure("main").parts[0]

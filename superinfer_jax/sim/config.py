@@ -1,9 +1,11 @@
-"""``SimConfig``: the simulator's own settings (hardware and model profiles, link override, TP), as knobs.
+"""``SimConfig``: the simulator's own settings (hardware and model profiles, link override, trace), as knobs.
 
 Each field is declared once with ``configtree.knob`` and becomes a flag of ``scripts/simulate.py`` like every
 other setting; the engine's settings (pools, pipeline, transfer mode, layout, scheduler knobs) come from the
 one ``EngineConfig`` tree and the workload's from ``sweep.SweepSpec``. ``--hardware`` is shared
 with ``SweepSpec.hardware`` (the results' hardware label): in the simulator the profile's name is the label.
+The tensor-parallel degree is the engine's (``EngineConfig.tensor_parallel_size``): the cost model divides
+bytes and FLOPs by it and adds two all-reduces per layer.
 Frozen, validated at construction (``ValueError`` naming the field). No JAX.
 """
 from __future__ import annotations
@@ -27,7 +29,6 @@ class SimConfig:
   swap_bandwidth_gbps: float = knob(
       0.0, "override of the host link: scale its curves so the per-direction plateau is this many GB/s "
            "(the duplex cap scales alike; 0: the profile's)")
-  tensor_parallel_size: int = knob(1, "tensor-parallel GPUs: bytes and FLOPs / TP plus 2 all-reduces per layer")
   trace: Optional[str] = knob(
       None, "replay a recorded trace CSV instead of --dataset: Azure LLM inference "
             "(TIMESTAMP,ContextTokens,GeneratedTokens) or Splitwise (arrived_at,num_prefill_tokens,"
@@ -60,9 +61,6 @@ class SimConfig:
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
         raise ValueError(f"SimConfig.{name} must be a finite number >= 0, got {v!r}")
-    v = self.tensor_parallel_size
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-      raise ValueError(f"SimConfig.tensor_parallel_size must be an int >= 1, got {v!r}")
 
   @classmethod
   def create(cls, **settings) -> "SimConfig":

@@ -3,7 +3,7 @@
 The same sweep as ``experiment.runner.run_sweep`` (its ``SweepSpec`` flags, ``--vary``, the output layout:
 ``results.jsonl`` with ``engine="sim"``, ``requests-<label>-<rps>.jsonl``, ``config.json``, plots), with the
 model step and the KV copies timed by the cost model instead of run. ``--vary`` may also sweep the
-simulator's own settings (``SimConfig``: ``swap_bandwidth_gbps``, ``tensor_parallel_size``, ``hardware``...).
+simulator's own settings (``SimConfig``: ``swap_bandwidth_gbps``, ``hardware``...).
 
 Differences from the real sweep, on purpose:
   * ``--calibrate``, ``--warmup`` and the drift tolerances are ignored: nothing is measured (a note is
@@ -63,7 +63,7 @@ def resolve_run(engine_config, sim_config: SimConfig, model: str) -> RunSetup:
   hw = load_hardware_profile(sim_config.hardware).with_swap_bandwidth(sim_config.swap_bandwidth_gbps)
   cfg, mp = model_profile(sim_config, model, engine_config.model.dtype)
   spec = cfg.kv_spec(engine_config.block_size, engine_config.model.dtype, engine_config.rotation.kv_layout)
-  tp = sim_config.tensor_parallel_size
+  tp = engine_config.tensor_parallel_size
   if tp > 1 and mp.num_kv_heads % tp:
     raise ValueError(f"tensor_parallel_size {tp} does not divide the {mp.num_kv_heads} KV heads of {mp.name}")
   changes = {}
@@ -267,7 +267,7 @@ def _row(spec: SweepSpec, setup: RunSetup, res, label: str, policy: str, variant
       "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
       "hardware_profile": setup.hardware.name, "model_profile": setup.model.name,
       "link": setup.hardware.link.name, "swap_bandwidth_gbps": setup.hardware.link.plateau_gbps,
-      "tensor_parallel_size": setup.sim_config.tensor_parallel_size,
+      "tensor_parallel_size": setup.engine_config.tensor_parallel_size,
       "fixed_step_s": setup.sim_config.fixed_step_s or None,
       "dataset": setup.sim_config.trace or spec.dataset,
       "trace_arrivals": setup.sim_config.trace_arrivals if setup.sim_config.trace else None,
