@@ -117,17 +117,9 @@ def main(argv):
             if context < engine.max_model_len else "")
   banner = (f"(context {context} tokens{capped}, {engine.num_device_blocks} device blocks, policy "
             f"{config.scheduler.policy})")
-  from superinfer_jax.serving.logprobs import Scorer  # pylint: disable=import-outside-toplevel
-
-  def load_for_scoring():
-    from superinfer_jax.model import load_model  # pylint: disable=import-outside-toplevel
-    logging.getLogger("superinfer_jax.serving").info("loading a copy of the weights to score logprobs with")
-    return load_model(FLAGS.model, dtype=config.model.dtype)
-
   application = build_app(engine, [name], max_queue=FLAGS.max_queue, channel=channel,
                           engine_factory=None if multi else make_engine,
-                          scorer=None if multi else Scorer(load_for_scoring), max_body_bytes=FLAGS.max_request_bytes,
-                          warmup=warmup)
+                          max_body_bytes=FLAGS.max_request_bytes, warmup=warmup)
   del engine   # the engine thread owns it from here
 
   sock = socket.socket(socket.AF_INET6 if ":" in FLAGS.host else socket.AF_INET, socket.SOCK_STREAM)

@@ -33,12 +33,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_batch_round_trips_and_buckets():
   p = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=11, stop_token_ids=[4, 5],
-                     stop=["x y"], ignore_eos=True).validate()
+                     stop=["x y"], ignore_eos=True, presence_penalty=0.5, frequency_penalty=-1.0,
+                     repetition_penalty=1.2, logit_bias={"9": -3.5, 2: 100}, logprobs=4).validate()
   b = EventBatch(time=1234.5678901234, events=[AddEvent("r1", [1, 2, 3], p, 2.0, None), AbortEvent("r0"),
                                                AddEvent("r2", "w1 w2", SamplingParams()),
                                                AbortEvent("r1", shutdown=True)], stop=True)
   got = decode_batch(encode_batch(b))
   assert got == b and got.events[0].params == p and got.events[0].params.stop_token_ids == (4, 5)
+  assert got.events[0].params.logit_bias == ((2, 100.0), (9, -3.5)) and got.events[0].params.logprobs == 4
   assert got.time == b.time   # floats round-trip exactly
   assert [bucket_size(n) for n in (0, 1, 256, 257, 1000, 5000)] == [256, 256, 256, 512, 1024, 8192]
   assert bucket_size(3, min_bucket=1) == 4

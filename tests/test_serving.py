@@ -55,8 +55,7 @@ def test_served_context_is_capped_at_the_pool():
 
 REFUSED_BODIES = [
     ("completion", "echo", True), ("completion", "suffix", "tail"), ("completion", "best_of", 3),
-    ("completion", "presence_penalty", 0.5), ("chat", "frequency_penalty", -1), ("chat", "repetition_penalty", 1.2),
-    ("completion", "logit_bias", {"5": -100}), ("chat", "response_format", {"type": "json_object"}),
+    ("chat", "response_format", {"type": "json_object"}),
     ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]), ("chat", "tool_choice", "auto"),
     ("chat", "parallel_tool_calls", True), ("chat", "functions", [{"name": "f"}]), ("chat", "function_call", "auto"),
     ("completion", "no_such_field", 1), ("completion", "messages", []), ("chat", "prompt", "x"),
@@ -86,16 +85,22 @@ def test_default_values_of_refused_fields_are_accepted():
   assert req.logprobs == 3
   req, _ = parse_request({"prompt": "x", "logprobs": 0}, "completion", ["m"])
   assert req.logprobs == 0
-  for body in ({"prompt": "x", "logprobs": 21}, {"prompt": "x", "logprobs": 2, "stream": True}):
-    with pytest.raises(P.APIError) as e:
-      parse_request(body, "completion", ["m"])
-    assert e.value.param == "logprobs"
+  with pytest.raises(P.APIError) as e:
+    parse_request({"prompt": "x", "logprobs": 21}, "completion", ["m"])
+  assert e.value.param == "logprobs"
+  req, _ = parse_request({"prompt": "x", "logprobs": 2, "stream": True}, "completion", ["m"])
+  assert req.logprobs == 2 and req.stream          # streamed logprobs: each chunk carries its tokens'
+  req, _ = parse_request({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+                          "logit_bias": {"5": -100}}, "completion", ["m"])
+  assert (req.presence_penalty, req.frequency_penalty, req.repetition_penalty) == (0.5, -1.0, 1.2)
+  assert req.logit_bias == ((5, -100.0),)
 
 
 def test_every_field_is_documented():
   doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "serving.md")).read()
-  for name in P.FIELDS:
-    assert f"| `{name}` |" in doc, name
+  where = {"both": "both", "completion": "completions", "chat": "chat"}
+  for name, (endpoints, what) in P.FIELDS.items():
+    assert f"| `{name}` | {where[endpoints]} | {what} |" in doc, name
   assert set(P.REFUSED) <= set(P.FIELDS)
 
 
@@ -251,15 +256,10 @@ def test_worker_rebuild_frees_a_frozen_engine_and_freezes_again():
     quiet.setLevel(level)
 
 
-def _fake_scorer(ids):
-  import numpy as np
-  return np.random.default_rng(len(ids)).normal(size=(len(ids), 100)).astype(np.float32) * 3
-
-
 def test_n_choices_logprobs_and_model_retrieve_over_fake_engine():
-  import numpy as np
+  """The engine's logprobs reach both formats, streamed and not; n choices each get theirs."""
   eng = FakeEngine()
-  with TestClient(build_app(eng, ["fake"], max_queue=8, scorer=_fake_scorer)) as c:
+  with TestClient(build_app(eng, ["fake"], max_queue=8)) as c:
     assert c.get("/v1/models/fake").json()["id"] == "fake"
     r = c.get("/v1/models/other")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
@@ -268,31 +268,59 @@ def test_n_choices_logprobs_and_model_retrieve_over_fake_engine():
     body = r.json()
     assert [ch["index"] for ch in body["choices"]] == [0, 1, 2]
     assert body["usage"]["completion_tokens"] == 9
-    logits = _fake_scorer([5, 6, 7, 1, 2])          # prompt + output without its last token
-    lsm = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
     for ch in body["choices"]:
       assert ch["token_ids"] == [1, 2, 3] and ch["text"] == " t1 t2 t3"
       lp = ch["logprobs"]
       assert lp["tokens"] == ["token_id:1", "token_id:2", "token_id:3"]
-      np.testing.assert_allclose(lp["token_logprobs"], [lsm[2, 1], lsm[3, 2], lsm[4, 3]], rtol=1e-5)
-      for j, top in enumerate(lp["top_logprobs"]):
-        best = np.argsort(-lsm[2 + j])[:2]
-        assert list(top) == [f"token_id:{b}" for b in best]
-        np.testing.assert_allclose(list(top.values()), lsm[2 + j][best], rtol=1e-5)
+      assert lp["token_logprobs"] == [-0.1, -0.2, -0.3]
+      assert lp["top_logprobs"] == [{f"token_id:{n}": -n / 10, f"token_id:{n + 1}": -(n + 1) / 10}
+                                    for n in (1, 2, 3)]
+      assert lp["text_offset"] == [0, 10, 20]
+    r = _post(c, {"prompt": [5], "max_tokens": 2})
+    assert r.json()["choices"][0]["logprobs"] is None          # not asked: none
     r = _post(c, {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "/v1/chat/completions")
     assert r.status_code == 400   # no tokenizer: chat is refused before logprobs matter
-    with c.stream("POST", "/v1/completions", json={"prompt": [1], "max_tokens": 2, "n": 2, "stream": True}) as s:
+    with c.stream("POST", "/v1/completions", json={"prompt": [1], "max_tokens": 2, "n": 2, "stream": True,
+                                                   "logprobs": 1}) as s:
       events = [json.loads(l[6:]) for l in s.iter_lines() if l.startswith("data: {")]
     by_index = {0: "", 1: ""}
+    streamed_lps = {0: [], 1: []}
     for e in events:
-      by_index[e["choices"][0]["index"]] += e["choices"][0]["text"]
+      ch = e["choices"][0]
+      by_index[ch["index"]] += ch["text"]
+      if ch["logprobs"] is not None:
+        streamed_lps[ch["index"]] += ch["logprobs"]["token_logprobs"]
     assert by_index == {0: " t1 t2", 1: " t1 t2"}
+    assert streamed_lps == {0: [-0.1, -0.2], 1: [-0.1, -0.2]}
     assert sorted(e["choices"][0]["finish_reason"] for e in events if e["choices"][0]["finish_reason"]) == ["length"] * 2
     h = c.get("/health", params={"check": 1}).json()
     assert h["admitted"] == 0 and h["device_blocks_free"] == 8
-  with TestClient(build_app(FakeEngine(), ["fake"], max_queue=8)) as c:   # no scorer: logprobs refused
-    r = _post(c, {"prompt": [1], "max_tokens": 2, "logprobs": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def test_penalties_and_logit_bias_reach_the_engine_or_get_a_400():
+  """presence / frequency / repetition penalties and logit_bias go into the request's SamplingParams; an
+  out-of-range value is a 400 naming the field."""
+  seen = {}
+  eng = FakeEngine()
+  add = eng.add_request
+
+  def spy(prompt, params, request_id, **kw):
+    seen[request_id] = params
+    return add(prompt, params, request_id, **kw)
+  eng.add_request = spy
+  with TestClient(build_app(eng, ["fake"], max_queue=8)) as c:
+    r = _post(c, {"prompt": [5], "max_tokens": 1, "presence_penalty": 0.5, "frequency_penalty": -1,
+                  "repetition_penalty": 1.3, "logit_bias": {"7": 100, "3": -2.5}})
+    assert r.status_code == 200, r.text
+    (p,) = seen.values()
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.0, 1.3)
+    assert p.logit_bias == ((3, -2.5), (7, 100.0)) and p.processes_logits
+    for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+                         ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}), ("logit_bias", {"-1": 1}),
+                         ("logit_bias", {"100": 1}), ("logit_bias", [1])):
+      r = _post(c, {"prompt": [5], "max_tokens": 1, field: value})
+      assert r.status_code == 400, (field, value, r.text)
+      assert r.json()["error"]["param"] == field, (field, value, r.json())
 
 
 def test_health_and_requests_answer_503_until_the_warmup_is_done():

@@ -272,8 +272,64 @@ def test_logprobs_match_transformers(client, model_dir):
     assert t.logprob <= 0 and t.top_logprobs[1].logprob <= t.logprob
 
 
-@pytest.mark.parametrize("field,value", [("presence_penalty", 0.5), ("logit_bias", {"3": 5}), ("best_of", 2),
-                                         ("suffix", "x"), ("frequency_penalty", 1.0)])
+def test_streamed_logprobs_equal_the_non_streamed(client):
+  kw = dict(model="tiny", prompt=[7, 8, 9], max_tokens=5, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+  whole = client.completions.create(**kw).choices[0].logprobs
+  streamed = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+  for ch in client.completions.create(stream=True, **kw):
+    lp = ch.choices[0].logprobs if ch.choices else None
+    if lp is not None:
+      for k in streamed:
+        streamed[k] += getattr(lp, k)
+  assert streamed["tokens"] == whole.tokens and len(whole.tokens) == 5
+  assert streamed["token_logprobs"] == pytest.approx(whole.token_logprobs, abs=1e-6)
+  assert [list(t) for t in streamed["top_logprobs"]] == [list(t) for t in whole.top_logprobs]
+
+
+def _penalised_greedy(hf, prompt, n, *, bias=(), presence=0.0, frequency=0.0, repetition=1.0):
+  """Greedy decoding of ``n`` tokens with vLLM's logit processing, by hand over transformers' logits: bias
+  added, then repetition (prompt + output tokens), then frequency x count and presence (output tokens)."""
+  import collections
+  import torch
+  out = []
+  for _ in range(n):
+    with torch.no_grad():
+      x = hf(torch.tensor([prompt + out])).logits[0, -1].double().numpy().copy()
+    for t, b in bias:
+      x[t] += b
+    for t in set(prompt + out):
+      x[t] = x[t] / repetition if x[t] > 0 else x[t] * repetition
+    for t, c in collections.Counter(out).items():
+      x[t] -= frequency * c + presence
+    out.append(int(x.argmax()))
+  return out
+
+
+def test_penalties_and_logit_bias_change_the_output_as_specified(client, model_dir):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+  prompt, n = [7, 8, 9, 10, 7, 8], 8
+
+  def run(**extra):
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True, **extra.pop("body", {})},
+                                  **extra)
+    return r.choices[0].model_extra["token_ids"]
+  plain = run()
+  assert plain == _penalised_greedy(hf, prompt, n)
+  forced = run(logit_bias={"42": 100})
+  assert forced == [42] * n
+  banned = run(logit_bias={str(plain[0]): -100})
+  assert plain[0] not in banned
+  for kw, ref in ((dict(frequency_penalty=2.0), dict(frequency=2.0)), (dict(presence_penalty=2.0), dict(presence=2.0)),
+                  (dict(body={"repetition_penalty": 3.0}), dict(repetition=3.0)),
+                  (dict(logit_bias={"5": 3}, frequency_penalty=1.0), dict(bias=((5, 3.0),), frequency=1.0))):
+    assert run(**kw) == _penalised_greedy(hf, prompt, n, **ref), kw
+  assert len(set(plain)) < n and run(frequency_penalty=2.0) != plain   # plain greedy repeats; the penalty changes it
+
+
+@pytest.mark.parametrize("field,value", [("best_of", 2), ("suffix", "x"), ("echo", True)])
 def test_openai_client_sees_refused_fields(client, field, value):
   with pytest.raises(openai.BadRequestError) as e:
     client.completions.create(model="tiny", prompt="w1", max_tokens=2, **{field: value})

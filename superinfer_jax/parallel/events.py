@@ -88,6 +88,11 @@ def encode_batch(batch: EventBatch) -> bytes:
                     separators=(",", ":"), allow_nan=False).encode()
 
 
+def _tuples(v):
+  """JSON lists back to the tuples they were (``logit_bias``: a tuple of (id, bias) pairs)."""
+  return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
+
+
 def decode_batch(data: bytes) -> EventBatch:
   """Inverse of ``encode_batch`` (sequences in the params come back as tuples)."""
   d = json.loads(data.decode())
@@ -98,7 +103,7 @@ def decode_batch(data: bytes) -> EventBatch:
   for e in d["events"]:
     if e[0] == "add":
       _, rid, prompt, params, ttft, tbt = e
-      params = SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in params.items()})
+      params = SamplingParams(**{k: _tuples(v) for k, v in params.items()})
       evs.append(AddEvent(rid, prompt, params, ttft, tbt))
     elif e[0] == "abort":
       evs.append(AbortEvent(e[1], e[2]))

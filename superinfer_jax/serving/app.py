@@ -191,13 +191,11 @@ def _add_routes(app: FastAPI, state: dict, metrics: ServerMetrics, completions: 
 
 def build_app(engine: Any, served_model_names: Sequence[str], *, max_queue: int = 256,
               engine_factory=None, disconnect_poll_s: float = 0.1, channel=None,
-              scorer: Optional[Callable[[list[int]], Any]] = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               warmup: Optional[Callable[[Any], None]] = None) -> FastAPI:
   """The app over ``engine`` (an ``LLMEngine``); the engine thread starts with the app's lifespan.
   ``channel``: process 0's ``parallel.events.EventChannel`` in a multi-process run (``worker.py``).
-  ``scorer``: ``token ids -> [len, vocab]`` next-token logits (``logprobs.Scorer``), run off the event loop
-  for ``logprobs``; without one, ``logprobs`` is refused. ``max_body_bytes``: a larger body gets a 413.
+  ``max_body_bytes``: a larger body gets a 413.
   ``warmup(engine)``: run in the engine thread once the server listens (precompilation); until it is done
   ``/health`` and requests answer 503 with ``Retry-After``."""
   names = list(served_model_names)
@@ -207,8 +205,7 @@ def build_app(engine: Any, served_model_names: Sequence[str], *, max_queue: int 
   preparer = RequestPreparer(names, tokenizer, engine.model_config.vocab_size, max_model_len)
   state: dict[str, Any] = {"engine": engine}   # the lifespan hands it to the worker
   del engine
-  completions = Completions(state, preparer, max_body_bytes=max_body_bytes, disconnect_poll_s=disconnect_poll_s,
-                            scorer=scorer)
+  completions = Completions(state, preparer, max_body_bytes=max_body_bytes, disconnect_poll_s=disconnect_poll_s)
   app = FastAPI(title="superinfer-jax", lifespan=_lifespan(
       state, metrics, completions, names, max_model_len, max_queue=max_queue, engine_factory=engine_factory,
       channel=channel, warmup=warmup))

@@ -3,15 +3,15 @@
 A request is refused while the server starts or drains (503), its body read (bounded), then parsed,
 validated and tokenized in the preparation threads, and its ``n`` choices queued on the ``EngineWorker``.
 Streamed, the events become server-sent chunks ending in ``data: [DONE]``; otherwise they are collected
-into one body, ``logprobs`` scored in the scoring thread once a choice has finished. A client that goes
-away has its choices aborted, which frees their KV blocks at once. Never touches the engine.
+into one body. ``logprobs`` come with the engine's outputs (computed in its step), token by token, streamed
+or not. A client that goes away has its choices aborted, which frees their KV blocks at once. Never touches
+the engine.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import logging
-from typing import Any, Callable, Optional
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -21,7 +21,7 @@ from superinfer_jax.serving import protocol as P
 from superinfer_jax.serving import responses as R
 from superinfer_jax.serving.choices import Choices, submit_choices
 from superinfer_jax.serving.errors import error_response
-from superinfer_jax.serving.logprobs import token_logprobs
+from superinfer_jax.serving.logprobs import as_text
 from superinfer_jax.serving.prepare import RequestPreparer, read_body
 
 log = logging.getLogger("superinfer_jax.serving")
@@ -30,19 +30,15 @@ log = logging.getLogger("superinfer_jax.serving")
 class Completions:
   """Serves the generate routes over the app's ``state`` (``worker``, ``draining``).
 
-  ``scorer``: ``token ids -> [len, vocab]`` next-token logits (``logprobs.Scorer``) for ``logprobs``; without
-  one, ``logprobs`` is refused. ``disconnect_poll_s``: how often a non-streamed request checks its client.
+  ``disconnect_poll_s``: how often a non-streamed request checks its client.
   """
 
-  def __init__(self, state: dict, preparer: RequestPreparer, *, max_body_bytes: int, disconnect_poll_s: float,
-               scorer: Optional[Callable[[list[int]], Any]] = None):
-    self.state, self.preparer, self.scorer = state, preparer, scorer
+  def __init__(self, state: dict, preparer: RequestPreparer, *, max_body_bytes: int, disconnect_poll_s: float):
+    self.state, self.preparer = state, preparer
     self.max_body_bytes, self.disconnect_poll_s = max_body_bytes, disconnect_poll_s
-    self.score_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="score")
     self.prep_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="prepare")
 
   def shutdown(self) -> None:
-    self.score_pool.shutdown(wait=False, cancel_futures=True)
     self.prep_pool.shutdown(wait=False, cancel_futures=True)
 
   async def handle(self, request: Request, kind: str):
@@ -72,10 +68,6 @@ class Completions:
     raw = await read_body(request, self.max_body_bytes)
     req, prompt_ids, params = await asyncio.get_running_loop().run_in_executor(self.prep_pool, self.preparer,
                                                                                raw, kind)
-    if req.logprobs is not None and self.scorer is None:
-      raise P.APIError(400, "'logprobs' needs the model's weights to score with, which this server has not "
-                            "(a multi-process run, or an engine given without a model path)",
-                       code="unsupported_parameter", param="logprobs")
     return req, prompt_ids, submit_choices(worker, req, prompt_ids, params)
 
   async def _next_event(self, request: Request, req, choices: Choices, next_check: list):
@@ -112,13 +104,16 @@ class Completions:
         return error_response(ev)
       texts[i].append(ev.text)
       out[i].token_ids.extend(ev.token_ids)
+      if req.logprobs is not None:
+        tokens, lps = self._logprobs(ev)
+        out[i].tokens = (out[i].tokens or []) + tokens
+        out[i].logprobs = (out[i].logprobs or []) + lps
       if ev.finished:
         choices.final[i] = True
         out[i].text, out[i].finish_reason = "".join(texts[i]), ev.finish_reason
     if req.logprobs is not None:
       for c in out:
-        c.tokens, c.logprobs = await loop.run_in_executor(self.score_pool, self._logprobs, prompt_ids,
-                                                          c.token_ids, req.logprobs)
+        c.tokens, c.logprobs = c.tokens or [], c.logprobs or []
     return R.full_response(req, created, out, len(prompt_ids))
 
   async def _stream(self, req, choices: Choices, created: int, n_prompt: int):
@@ -143,7 +138,8 @@ class Completions:
           break
         n_out += len(ev.token_ids)
         if ev.token_ids or ev.text:
-          yield R.sse(R.chunk(req, created, ev.text, ev.token_ids, None, first=first[i], index=i))
+          lp = R.logprobs_body(req, *self._logprobs(ev)) if req.logprobs is not None else None
+          yield R.sse(R.chunk(req, created, ev.text, ev.token_ids, None, first=first[i], index=i, logprobs=lp))
           first[i] = False
         if ev.finished:
           choices.final[i] = True
@@ -161,10 +157,6 @@ class Completions:
     tok = self.preparer.tokenizer
     return tok.decode([t]) if tok is not None else f"token_id:{t}"
 
-  def _logprobs(self, prompt_ids: list[int], output_ids: list[int], top: int):
-    """(token texts, [(logprob, [(text, logprob)])]) of one choice's output; runs in the scoring thread."""
-    if not output_ids:
-      return [], []
-    lps = token_logprobs(self.scorer(prompt_ids + output_ids[:-1]), len(prompt_ids), output_ids, top)
-    return ([self._token_text(t) for t in output_ids],
-            [(lp, [(self._token_text(a), alp) for a, alp in alts]) for lp, alts in lps])
+  def _logprobs(self, ev):
+    """(token texts, [(logprob, [(text, logprob)])]) of one engine output's tokens."""
+    return as_text(ev.token_ids, ev.logprobs or [], self._token_text)

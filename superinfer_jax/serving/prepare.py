@@ -62,9 +62,12 @@ class RequestPreparer:
     try:
       params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                               top_k=req.top_k, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
-                              ignore_eos=req.ignore_eos).validate(vocab_size=self.vocab_size)
+                              ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
+                              frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                              logit_bias=req.logit_bias, logprobs=req.logprobs,
+                              ).validate(vocab_size=self.vocab_size)
     except ValueError as e:
-      raise P.APIError(400, str(e)) from None
+      raise P.APIError(400, str(e), param="logit_bias" if "logit_bias" in str(e) else None) from None
     return req, prompt_ids, params
 
   def _chat_prompt(self, messages) -> list[int]:

@@ -30,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from superinfer_jax.model.sampling_params import MAX_LOGPROBS  # noqa: F401 (request_parsing's)
+
 INVALID = "invalid_request_error"
 
 
@@ -76,9 +78,11 @@ class ParsedRequest:
   request_id: str = ""
   n: int = 1
   logprobs: Optional[int] = None          # None: no logprobs; k: the sampled token's and the k most likely
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  logit_bias: tuple[tuple[int, float], ...] = ()
 
-
-MAX_LOGPROBS = 20
 
 # Every field of the two endpoints: (endpoints, what the server does). "both", "completion" or "chat".
 FIELDS: dict[str, tuple[str, str]] = {
@@ -98,8 +102,10 @@ FIELDS: dict[str, tuple[str, str]] = {
     "ignore_eos": ("both", "keep generating past EOS"),
     "stream": ("both", "server-sent events ending in data: [DONE]"),
     "stream_options": ("both", "include_usage: a last chunk with usage"),
-    "logprobs": ("both", "completions: int 0..20, chat: bool; the sampled tokens' log-probabilities under "
-                         "the model (raw logits, before temperature / top-k / top-p), non-streamed only"),
+    "logprobs": ("both", "completions: int 0..20, chat: bool; each sampled token's log-probability under "
+                         "the model (log-softmax of the raw logits, before bias, penalties, temperature, "
+                         "top-k and top-p, as vLLM's raw_logprobs), computed in the engine's step; streamed "
+                         "too (in each chunk)"),
     "top_logprobs": ("chat", "0..20 alternatives per token with logprobs=true"),
     "return_token_ids": ("both", "each choice / chunk also carries its token_ids"),
     "ttft_slo": ("both", "TTFT SLO in seconds, handed to the scheduler"),
@@ -108,10 +114,11 @@ FIELDS: dict[str, tuple[str, str]] = {
     "echo": ("completion", "refused unless false"),
     "suffix": ("completion", "refused unless null or \"\""),
     "best_of": ("completion", "refused unless null or equal to n"),
-    "presence_penalty": ("both", "refused unless 0 (the engine samples on device without penalties)"),
-    "frequency_penalty": ("both", "refused unless 0 (as presence_penalty)"),
-    "repetition_penalty": ("both", "refused unless 1 (as presence_penalty)"),
-    "logit_bias": ("both", "refused unless null or {} (the engine has no logit processors)"),
+    "presence_penalty": ("both", "[-2, 2]: subtracted from the logit of every token already in the output"),
+    "frequency_penalty": ("both", "[-2, 2]: times the token's count in the output, subtracted from its logit"),
+    "repetition_penalty": ("both", "> 0 (1 = off): a logit of a token seen in the prompt or output is "
+                                   "divided by it when positive, multiplied when negative (vLLM's)"),
+    "logit_bias": ("both", "{token id: bias in [-100, 100]} added to the logits, before the penalties"),
     "response_format": ("chat", "refused unless {\"type\": \"text\"}"),
     "tools": ("chat", "refused unless null or []"),
     "tool_choice": ("chat", "refused unless null or \"none\""),
@@ -125,10 +132,6 @@ FIELDS: dict[str, tuple[str, str]] = {
 REFUSED: dict[str, tuple[tuple, str]] = {
     "echo": ((False,), "echoing the prompt is not supported"),
     "suffix": (("",), "insertion (suffix) is not supported"),
-    "presence_penalty": ((0,), "penalties are not supported (the engine samples on device without them)"),
-    "frequency_penalty": ((0,), "penalties are not supported (the engine samples on device without them)"),
-    "repetition_penalty": ((1,), "penalties are not supported (the engine samples on device without them)"),
-    "logit_bias": (({},), "logit_bias is not supported (the engine has no logit processors)"),
     "response_format": (({"type": "text"},), "only response_format {\"type\": \"text\"} is supported"),
     "tools": (([],), "tool calling is not supported"),
     "tool_choice": (("none",), "tool calling is not supported"),

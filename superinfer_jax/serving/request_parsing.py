@@ -121,6 +121,41 @@ def _parse_logprobs(body: dict, kind: str) -> Optional[int]:
   return k
 
 
+def _parse_logit_processing(body: dict) -> dict[str, Any]:
+  """presence / frequency / repetition penalties and ``logit_bias`` (``{"token id": bias}``), range-checked
+  (``SamplingParams``'s ranges; the vocabulary bound is checked there): the engine applies them to the raw
+  logits in its step."""
+  out: dict[str, Any] = {}
+  for name, default, lo, hi in (("presence_penalty", 0.0, -2.0, 2.0), ("frequency_penalty", 0.0, -2.0, 2.0)):
+    v = _get_float(body, name, default)
+    if not lo <= v <= hi:
+      raise APIError(400, f"'{name}' must be in [{lo:g}, {hi:g}], got {v:g}", param=name)
+    out[name] = v
+  r = _get_float(body, "repetition_penalty", 1.0)
+  if not r > 0:
+    raise APIError(400, f"'repetition_penalty' must be > 0 (1 = off), got {r:g}", param="repetition_penalty")
+  out["repetition_penalty"] = r
+  bias = body.get("logit_bias")
+  if bias is None:
+    bias = {}
+  if not isinstance(bias, dict):
+    raise _type_error("logit_bias", "an object {token id: bias}", bias)
+  pairs = {}
+  for key, v in bias.items():
+    try:
+      tok = int(key)
+    except ValueError:
+      raise APIError(400, f"'logit_bias' key {key!r} is not a token id", param="logit_bias") from None
+    if tok < 0:
+      raise APIError(400, f"'logit_bias' key {key!r} is not a token id", param="logit_bias")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+      raise APIError(400, f"'logit_bias' value for token {tok} must be a number in [-100, 100], got "
+                          f"{json.dumps(v)[:40]}", param="logit_bias")
+    pairs[tok] = float(v)
+  out["logit_bias"] = tuple(sorted(pairs.items()))
+  return out
+
+
 def _is_token_list(v: Any) -> bool:
   return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
@@ -279,14 +314,11 @@ def parse_request(body: dict, kind: str, served_model_names: Sequence[str]) -> t
   prompt = None if kind == "chat" else _parse_prompt(body)
   max_tokens = _parse_max_tokens(body, kind)
   sampling = _parse_sampling(body)
+  processing = _parse_logit_processing(body)
   logprobs = _parse_logprobs(body, kind)
   stop, stop_token_ids = _parse_stops(body)
   stream, include_usage = _parse_stream(body)
   ignore_eos = _get_bool(body, "ignore_eos", False)
-  if logprobs is not None and stream:
-    raise APIError(400, "'logprobs' with stream=true is not supported: the engine returns no per-step "
-                        "log-probabilities (send the request without stream)", code="unsupported_parameter",
-                   param="logprobs")
   _get_str(body, "user")
   return_token_ids = _get_bool(body, "return_token_ids", False)
   slos = _parse_slos(body)
@@ -294,5 +326,5 @@ def parse_request(body: dict, kind: str, served_model_names: Sequence[str]) -> t
   req = ParsedRequest(kind=kind, model=model, prompt=prompt, stream=stream, include_usage=include_usage,
                       max_tokens=max_tokens, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                       return_token_ids=return_token_ids, request_id=f"{prefix}-{uuid.uuid4().hex[:24]}",
-                      logprobs=logprobs, **sampling, **slos)
+                      logprobs=logprobs, **sampling, **processing, **slos)
   return req, messages

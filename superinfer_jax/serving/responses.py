@@ -64,19 +64,21 @@ def full_response(req: ParsedRequest, created: int, choices: Sequence[Choice], p
 
 
 def chunk(req: ParsedRequest, created: int, text: Optional[str], token_ids: Sequence[int],
-          finish_reason: Optional[str], *, first: bool = False, index: int = 0) -> dict:
+          finish_reason: Optional[str], *, first: bool = False, index: int = 0,
+          logprobs: Optional[dict] = None) -> dict:
   """One streamed chunk of choice ``index`` (a text delta, possibly empty, or the final one with its finish
-  reason)."""
+  reason); ``logprobs`` (``logprobs_body`` of the delta's tokens) when the request asked."""
   if req.kind == "chat":
     delta: dict = {}
     if first:
       delta["role"] = "assistant"
     if text is not None:
       delta["content"] = text
-    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason_out(finish_reason)}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs,
+              "finish_reason": finish_reason_out(finish_reason)}
     obj = "chat.completion.chunk"
   else:
-    choice = {"index": index, "text": text or "", "logprobs": None,
+    choice = {"index": index, "text": text or "", "logprobs": logprobs,
               "finish_reason": finish_reason_out(finish_reason)}
     obj = "text_completion"
   if req.return_token_ids:

@@ -2,8 +2,9 @@
 multi-host serving run without a model).
 
 ``FakeEngine`` takes token-id prompts only; every ``step()`` emits one token per live request (ids 1, 2,
-... up to its ``max_tokens``, text ``" t<n>"``, timestamp = the step count), then finishes it with
-``"length"``; ``abort`` finishes it with ``"abort"`` at the next step. It keeps the attributes the serving
+... up to its ``max_tokens``, text ``" t<n>"``, timestamp = the step count; with ``params.logprobs = k`` a
+``TokenLogprobs`` of logprob ``-n / 10`` and top ids ``n, n + 1, ...`` at ``-(n + j) / 10``), then finishes it
+with ``"length"``; ``abort`` finishes it with ``"abort"`` at the next step. It keeps the attributes the serving
 layer reads (``tokenizer``, ``max_model_len``, ``model_config.vocab_size``, ``stats``, ``block_manager``
 counts, ``scheduler`` queue sizes, ``replica.local_now``). ``fail_next = n`` makes the next n steps raise.
 """
@@ -33,7 +34,7 @@ class FakeEngine:
 
   def add_request(self, prompt, params, request_id, ttft_slo=None, tbt_slo=None, arrival_time=None):
     del prompt, ttft_slo, tbt_slo
-    self.live[request_id] = [params.max_tokens, 0]
+    self.live[request_id] = [params.max_tokens, 0, params.logprobs]
     self.arrivals[request_id] = arrival_time
     self.block_manager.num_free_device_blocks -= 1
 
@@ -55,7 +56,7 @@ class FakeEngine:
     pass
 
   def step(self):
-    from superinfer_jax.engine.config import RequestOutput  # pylint: disable=import-outside-toplevel
+    from superinfer_jax.engine.config import RequestOutput, TokenLogprobs  # pylint: disable=import-outside-toplevel
     self.stats.steps += 1
     if self.fail_next:
       self.fail_next -= 1
@@ -64,8 +65,10 @@ class FakeEngine:
     for rid, st in list(self.live.items()):
       st[1] += 1
       done = st[1] >= st[0]
-      outs.append(RequestOutput(rid, [st[1]], f" t{st[1]}", [float(self.stats.steps)], finished=done,
-                                finish_reason="length" if done else None))
+      n, k = st[1], st[2]
+      lps = None if k is None else [TokenLogprobs(-n / 10, [(n + j, -(n + j) / 10) for j in range(k)])]
+      outs.append(RequestOutput(rid, [n], f" t{n}", [float(self.stats.steps)], finished=done,
+                                finish_reason="length" if done else None, logprobs=lps))
       if done:
         del self.live[rid]
         self.block_manager.num_free_device_blocks += 1
