@@ -185,7 +185,8 @@ def real_vs_sim(spec, engine_config, *, sim_profile: str, command: str, model_tu
   JSON written to ``real_vs_sim.json`` (``entries``, ``markdown``, ``plots``, ``calibration``, ``command``)."""
   validation.run_real(spec, engine_config, model_tuple=model_tuple)
   s_spec, s_cfg, calib = _sim_inputs(spec, engine_config)
-  res = validation.compare(s_spec, s_cfg, SimConfig.create(hardware=sim_profile), command=command, log=log)
+  res = validation.compare(dataclasses.replace(s_spec, hardware=sim_profile), s_cfg, SimConfig(), command=command,
+                           log=log)
   out = spec.output_dir
   entries = table_entries(out, res)
   head = [f"`{command}`", ""]

@@ -9,7 +9,7 @@
 
 Flags: the workload / sweep flags of scripts/run_experiment.py (``sweep.SweepSpec``), the engine's
 config tree (``engine.config.EngineConfig``: pools, pipeline, --transfer_mode, --kv_layout, scheduler knobs)
-and the simulator's own (``sim.config.SimConfig``: --hardware, --model_profile, --swap_bandwidth_gbps,
+and the simulator's own (``sim.config.SimConfig``: --model_profile, --swap_bandwidth_gbps,
 --fixed_step_s, --trace, --trace_arrivals, --length_scale); the simulated TP degree is the engine's
 --tensor_parallel_size. ``--trace PATH`` replays an Azure LLM
 inference or Splitwise CSV (arrivals and lengths; format from the header) instead of --dataset. Defaults
@@ -39,8 +39,8 @@ from superinfer_jax.sim.figures import (DEFAULT_WORKLOAD, figure_names, get_figu
 from superinfer_jax.sim.runner import (read_sim_trace, report, resolve_run, run_sim_sweep,  # noqa: E402
                                       validate_variants)
 
-configtree.define_flags(SimConfig)   # first: --hardware is SimConfig's
-configtree.define_flags(SweepSpec, shared={"hardware"})           # the profile's name is the results' label
+configtree.define_flags(SimConfig)
+configtree.define_flags(SweepSpec)   # its --hardware is the profile the simulator loads
 configtree.define_flags(EngineConfig)
 flags.DEFINE_enum("figure", None, figure_names(),
                   "rerun a named paper experiment (sim/figures.py; docs/simulator.md 'Figures') into --output_dir "
@@ -86,7 +86,7 @@ def main(argv):
       checks = [(spec, config, sim_config)]
     for c_spec, c_config, c_sim in checks:
       validate_variants(c_spec, c_config, c_sim)
-      resolve_run(c_config, c_sim, c_spec.model)    # profiles load, the model fits the device
+      resolve_run(c_config, c_sim, c_spec.model, c_spec.hardware)   # profiles load, the model fits
       if c_sim.trace:
         read_sim_trace(c_spec, c_sim)               # the trace parses (TraceError names the file and line)
   except ValueError as e:   # ProfileError and ConfigError too

@@ -155,17 +155,15 @@ def owner_of(leaf: Leaf, cls) -> str:
   return f"{owner.__module__}.{owner.__qualname__}"
 
 
-def define_flags(cls, flag_values=None, shared: Iterable[str] = (), only: Iterable[str] | None = None) -> None:
+def define_flags(cls, flag_values=None, only: Iterable[str] | None = None) -> None:
   """Defines one absl flag per setting of the tree rooted at ``cls`` on ``flag_values`` (default ``FLAGS``).
 
   Each setting has exactly one definition. A flag name that ``flag_values`` already holds raises
   ``flags.DuplicateFlagError`` naming the flag, the dataclass that declares the new setting and the existing
   definition's owner (its dataclass when ``define_flags`` defined it, else the module that did), unless that
   existing flag *is* this same setting (same field of the same dataclass): defining one tree twice on the same
-  ``FlagValues``, or two trees that share a subtree class (``SimConfig`` and ``EngineConfig``), is a no-op for
-  the shared settings. ``shared`` names settings this tree reads from a flag another tree already defined on
-  ``flag_values`` (``scripts/simulate.py``: ``SimConfig.hardware`` is also the results' ``SweepSpec.hardware``
-  label); a name in ``shared`` that is not defined yet raises ``KeyError``. ``only`` (flag names) defines just
+  ``FlagValues``, or two trees that nest the same subtree class, is a no-op for
+  the shared settings. ``only`` (flag names) defines just
   those settings of the tree, for a script that reads a few of them (``--model`` of ``SweepSpec``); an unknown
   name raises ``KeyError``. Each flag is registered under its owner (``module.Class``), so ``--helpfull`` lists
   the settings grouped by the dataclass that declares them. Never modifies a flag that is already defined.
@@ -174,18 +172,14 @@ def define_flags(cls, flag_values=None, shared: Iterable[str] = (), only: Iterab
   fv = flags.FLAGS if flag_values is None else flag_values
   index = flat_index(cls)
   owners = _OWNERS.setdefault(fv, {})
-  shared = set(shared)
   if only is not None:
     only = set(only)
     unknown = sorted(only - {leaf.flag_name for leaf in index.values()})
     if unknown:
       raise KeyError(f"{cls.__name__}: no setting(s) {', '.join(unknown)}")
-  missing = sorted(n for n in shared if n not in fv)
-  if missing:
-    raise KeyError(f"{cls.__name__}: shared flag(s) {', '.join(missing)} not defined yet")
   for leaf in index.values():
     name = leaf.flag_name
-    if name in shared or (only is not None and name not in only):
+    if only is not None and name not in only:
       continue
     owner_class = owner_of(leaf, cls)
     owner = f"{owner_class}.{leaf.field.name}"

@@ -2,7 +2,7 @@
 scripts that read it.
 
 Pure Python, no JAX: the scripts are read as source (``ast``), never imported. A script reads a setting when it
-calls ``configtree.define_flags(Tree, ...)`` (``only=`` narrows it, ``shared=`` flags are another tree's) or
+calls ``configtree.define_flags(Tree, ...)`` (``only=`` narrows it) or
 ``define_engine_flags()`` (the ``EngineConfig`` tree) at module level. ``render()`` is deterministic: the same
 tree and scripts give the same text.
 """
@@ -53,7 +53,7 @@ def script_reads(source: str, roots: dict[str, type]) -> set[tuple[str, str]]:
       names = set(owned)
       if "only" in kw:
         names &= _names(kw["only"])
-      out |= {owned[n] for n in names - _names(kw.get("shared", ast.Set(elts=[])))}
+      out |= {owned[n] for n in names}
   return out
 
 

@@ -54,8 +54,10 @@ class SweepSpec:
       1.15, "flag a run whose CPU seconds per wall second of stepping fall below the warm-up's / x (another "
             "process took the CPU)")
   time_limit_s: Optional[float] = knob(None, "abort a run after this many seconds", none_as=0.0)
-  hardware: Optional[str] = knob(None, "hardware label in results (default: the JAX device kind)",
-                                 none_as="")
+  hardware: Optional[str] = knob(
+      None, "the hardware the results are for. A real run: its label in the results (unset: the JAX device "
+            "kind). The simulator: the profile it loads, a name in configs/hardware/ (gh200, h200, a100-80gb, "
+            "cpu) or a JSON path (unset: h200), whose name labels the results", none_as="")
   progress: bool = knob(True, "progress bars")
 
   def __post_init__(self):

@@ -57,16 +57,6 @@ def test_same_tree_twice_and_shared_subtree_class_are_no_ops():
   assert configtree.from_flags(TreeC, fv) == TreeC(Inner(0.25), 4)
 
 
-def test_shared_names_read_the_existing_flag_and_must_exist():
-  fv = flags.FlagValues()
-  with pytest.raises(KeyError, match="seed"):
-    configtree.define_flags(TreeB, fv, shared={"seed"})
-  configtree.define_flags(TreeA, fv)
-  configtree.define_flags(TreeB, fv, shared={"seed"})
-  fv(["prog", "--seed=5"])
-  assert configtree.from_flags(TreeB, fv).seed == 5
-
-
 def test_only_defines_a_subset_registered_under_its_owner():
   fv = flags.FlagValues()
   with pytest.raises(KeyError, match="nope"):

@@ -55,12 +55,12 @@ def test_every_script_flag_of_the_config_tree_is_in_the_table():
     assert f"| `--{name}` |" in text and f"## `{owner}`" in text
 
 
-def test_script_reads_honours_only_and_shared():
+def test_script_reads_honours_only():
   roots = settings_table.trees()
   src = ("configtree.define_flags(SimConfig)\n"
-         "configtree.define_flags(SweepSpec, shared={'hardware'})\n"
+         "configtree.define_flags(SweepSpec)\n"
          "configtree.define_flags(SchedulerConfig, only={'ttft_slo'})\n")
   reads = settings_table.script_reads(src, roots)
-  assert ("superinfer_jax.sim.config.SimConfig", "hardware") in reads
-  assert ("superinfer_jax.sweep.SweepSpec", "hardware") not in reads
+  assert ("superinfer_jax.sim.config.SimConfig", "trace") in reads
+  assert ("superinfer_jax.sweep.SweepSpec", "hardware") in reads
   assert {n for o, n in reads if o.endswith("SchedulerConfig")} == {"ttft_slo"}

@@ -114,10 +114,10 @@ def test_part_configs_explicit_wins_and_unknown_fails():
   spec, engine, sim, _ = _base()
   part = get_figure("main").parts[0]
   p_spec, p_eng, p_sim, settings = part_configs(part, spec, engine, sim, explicit={"rps", "hardware"})
-  assert p_spec.model == "llama-3-8b" and p_spec.rps == spec.rps and p_sim.hardware == sim.hardware
+  assert p_spec.model == "llama-3-8b" and p_spec.rps == spec.rps and p_spec.hardware == spec.hardware
   assert "rps" not in settings and p_eng.scheduler.proactive_swap_budget == 2400
   p_spec, _, p_sim, _ = part_configs(part, spec, engine, sim)
-  assert p_spec.rps == "35,40,45,50,55,60" and p_sim.hardware == "gh200"
+  assert p_spec.rps == "35,40,45,50,55,60" and p_spec.hardware == "gh200"
   assert p_spec.dataset == "sharegpt" and p_sim.length_scale == 1.05          # the default workload
   p_spec, _, p_sim, _ = part_configs(get_figure("main").parts[1], spec, engine, sim, workload="splitwise")
   assert p_spec.rps == "1.4375,2.875,3.7375,4.3125,5.175,5.75" and p_sim.trace == "splitwise" and p_sim.trace_arrivals == "rescale"

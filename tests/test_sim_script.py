@@ -90,10 +90,10 @@ def test_sim_imports_no_jax(tmp_path):
       from superinfer_jax.engine.config import EngineConfig
       spec = SweepSpec(model="llama-3-8b", dataset="synthetic", num_requests=8, rps="50",
                        policies="fcfs,rotasched", output_dir={str(tmp_path / "nojax")!r}, progress=False,
-                       synthetic_prompt_len="uniform:32,128", synthetic_output_len="uniform:8,32")
+                       synthetic_prompt_len="uniform:32,128", synthetic_output_len="uniform:8,32", hardware="gh200")
       cfg = EngineConfig.create(dtype="bfloat16", num_device_blocks=24, num_host_blocks=256,
                                 proactive_swap_budget=8, max_num_seqs=8)
-      rows = run_sim_sweep(spec, cfg, SimConfig(hardware="gh200"), log=lambda *a: None)
+      rows = run_sim_sweep(spec, cfg, SimConfig(), log=lambda *a: None)
       assert len(rows) == 2 and all(r["num_finished"] == 8 and r["engine"] == "sim" for r in rows), rows
       assert sys.modules["jax"] is None and "jaxlib" not in sys.modules and "flax" not in sys.modules
       print("ok")

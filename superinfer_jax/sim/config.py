@@ -1,9 +1,9 @@
-"""``SimConfig``: the simulator's own settings (hardware and model profiles, link override, trace), as knobs.
+"""``SimConfig``: the simulator's own settings (model profile, link override, trace, length scale), as knobs.
 
 Each field is declared once with ``configtree.knob`` and becomes a flag of ``scripts/simulate.py`` like every
 other setting; the engine's settings (pools, pipeline, transfer mode, layout, scheduler knobs) come from the
-one ``EngineConfig`` tree and the workload's from ``sweep.SweepSpec``. ``--hardware`` is shared
-with ``SweepSpec.hardware`` (the results' hardware label): in the simulator the profile's name is the label.
+one ``EngineConfig`` tree and the workload's from ``sweep.SweepSpec``; the hardware profile is
+``SweepSpec.hardware`` (``profile_name``: unset is ``DEFAULT_HARDWARE``), whose name labels the results.
 The tensor-parallel degree is the engine's (``EngineConfig.tensor_parallel_size``): the cost model divides
 bytes and FLOPs by it and adds two all-reduces per layer.
 Frozen, validated at construction (``ValueError`` naming the field). No JAX.
@@ -17,12 +17,18 @@ from typing import Optional
 from superinfer_jax import configtree
 from superinfer_jax.configtree import knob
 
+DEFAULT_HARDWARE = "h200"   # the profile of a simulation whose SweepSpec.hardware is unset
+
+
+def profile_name(hardware: Optional[str]) -> str:
+  """The hardware profile (name in configs/hardware/ or JSON path) the simulator loads for
+  ``SweepSpec.hardware``."""
+  return hardware or DEFAULT_HARDWARE
+
 
 @dataclasses.dataclass(frozen=True)
 class SimConfig:
   """What the simulator needs beyond the engine config and the workload."""
-  hardware: str = knob("h200", "hardware profile: a name in configs/hardware/ (gh200, h200, a100-80gb, cpu) "
-                               "or a JSON path; the simulator writes its name as the results' hardware")
   model_profile: Optional[str] = knob(
       None, "model shape for the cost model: a name in configs/models/ or a config path (unset: --model)",
       none_as="")
@@ -46,8 +52,6 @@ class SimConfig:
                                   "(0: the roofline; transfers are still modelled)")
 
   def __post_init__(self):
-    if not isinstance(self.hardware, str) or not self.hardware:
-      raise ValueError(f"SimConfig.hardware must be a profile name or path, got {self.hardware!r}")
     if self.model_profile is not None and (not isinstance(self.model_profile, str) or not self.model_profile):
       raise ValueError(f"SimConfig.model_profile must be None or a name / path, got {self.model_profile!r}")
     if self.trace is not None and (not isinstance(self.trace, str) or not self.trace):

@@ -3,7 +3,8 @@
 The same sweep as ``experiment.runner.run_sweep`` (its ``SweepSpec`` flags, ``--vary``, the output layout:
 ``results.jsonl`` with ``engine="sim"``, ``requests-<label>-<rps>.jsonl``, ``config.json``, plots), with the
 model step and the KV copies timed by the cost model instead of run. ``--vary`` may also sweep the
-simulator's own settings (``SimConfig``: ``swap_bandwidth_gbps``, ``hardware``...).
+simulator's own settings (``SimConfig``: ``swap_bandwidth_gbps``, ``trace``...); the hardware profile is the
+sweep's ``hardware`` (``sim.config.profile_name``).
 
 Differences from the real sweep, on purpose:
   * ``--calibrate``, ``--warmup`` and the drift tolerances are ignored: nothing is measured (a note is
@@ -31,7 +32,7 @@ from superinfer_jax.sweep import (SweepSpec, fresh_output_dir, apply_variant,  #
 from superinfer_jax.metrics.results import RESULTS_SCHEMA, append_results_row, results_row
 from superinfer_jax.metrics.timeline import requests_filename, write_timelines
 from superinfer_jax.model.config import load_config
-from superinfer_jax.sim.config import SimConfig
+from superinfer_jax.sim.config import SimConfig, profile_name
 from superinfer_jax.sim.cost import Buckets, ModelProfile, device_pool_blocks
 from superinfer_jax.sim.loop import RooflineCost, derived_counters, simulate
 from superinfer_jax.sim.profiles import load_hardware_profile
@@ -58,9 +59,10 @@ def model_profile(sim_config: SimConfig, model: str, dtype: str):
   return cfg, ModelProfile.from_model_config(cfg, dtype=dtype, name=label)
 
 
-def resolve_run(engine_config, sim_config: SimConfig, model: str) -> RunSetup:
-  """Loads the profiles, sizes unset pools from the hardware profile, builds the cost model."""
-  hw = load_hardware_profile(sim_config.hardware).with_swap_bandwidth(sim_config.swap_bandwidth_gbps)
+def resolve_run(engine_config, sim_config: SimConfig, model: str, hardware: Optional[str]) -> RunSetup:
+  """Loads the profiles (``hardware``: ``SweepSpec.hardware``, None for ``DEFAULT_HARDWARE``), sizes unset
+  pools from the hardware profile, builds the cost model."""
+  hw = load_hardware_profile(profile_name(hardware)).with_swap_bandwidth(sim_config.swap_bandwidth_gbps)
   cfg, mp = model_profile(sim_config, model, engine_config.model.dtype)
   spec = cfg.kv_spec(engine_config.block_size, engine_config.model.dtype, engine_config.rotation.kv_layout)
   tp = engine_config.tensor_parallel_size
@@ -194,7 +196,7 @@ def run_sim_sweep(spec: SweepSpec, engine_config, sim_config: SimConfig, *, log=
         "are --ttft_slo / --tbt_slo")
   if spec.repeats > 1:
     log(f"[sim] a simulated run is deterministic: each (policy, variant, rps) runs once, not {spec.repeats} times")
-  base = resolve_run(engine_config, sim_config, spec.model)
+  base = resolve_run(engine_config, sim_config, spec.model, spec.hardware)
   mcfg = load_config(sim_config.model_profile or spec.model)
   max_len = min(base.engine_config.model.max_model_len or mcfg.max_position_embeddings,
                 mcfg.max_position_embeddings,
@@ -220,7 +222,7 @@ def run_sim_sweep(spec: SweepSpec, engine_config, sim_config: SimConfig, *, log=
       label = variant_label(policy, variant)
       eng_v, sim_v = split_variant(variant)
       setup = resolve_run(apply_variant(engine_config.replace(policy=policy), eng_v),
-                          apply_variant(sim_config, sim_v), spec.model)
+                          apply_variant(sim_config, sim_v), spec.model, spec.hardware)
       res = simulate(requests, setup.engine_config, setup.cost, progress=spec.progress,
                      desc=f"{label} @ {rps:.3g} rps", time_limit_s=spec.time_limit_s)
       row = _row(spec, setup, res, label, policy, variant, rps, run_index)

@@ -220,13 +220,15 @@ def compare(spec, engine_config, sim_config, *, command: str, log: Callable[[str
   """Steps 2-3 from what ``run_real`` left in ``spec.output_dir`` (rerunnable: the real run is not)."""
   from superinfer_jax.metrics.results import read_results  # pylint: disable=import-outside-toplevel
   from superinfer_jax.sim.profiles import load_hardware_profile, resolve_profile_path  # pylint: disable=import-outside-toplevel
+  from superinfer_jax.sim.config import profile_name  # pylint: disable=import-outside-toplevel
   from superinfer_jax.sim.runner import model_profile, run_sim_sweep  # pylint: disable=import-outside-toplevel
   out = spec.output_dir
   real_rows = read_results(os.path.join(out, "real", "results.jsonl"))
-  with open(resolve_profile_path(sim_config.hardware), encoding="utf-8") as f:
+  hardware = profile_name(spec.hardware)
+  with open(resolve_profile_path(hardware), encoding="utf-8") as f:
     base = json.load(f)
   _, mp = model_profile(sim_config, spec.model, engine_config.model.dtype)
-  buckets = cost_lib.Buckets.of(engine_config) if load_hardware_profile(sim_config.hardware).pad_to_buckets else None
+  buckets = cost_lib.Buckets.of(engine_config) if load_hardware_profile(hardware).pad_to_buckets else None
   fits, sim_rows, pairs = [], {}, []
   for row in real_rows:
     slug = _slug(row)
@@ -246,8 +248,8 @@ def compare(spec, engine_config, sim_config, *, command: str, log: Callable[[str
         f"GFLOP/s, overhead {fit.overhead_s * 1e3:.1f} ms; error p10 / p50 / p90 {errs[len(errs) // 10]:+.0%} / "
         f"{errs[len(errs) // 2]:+.0%} / {errs[9 * len(errs) // 10]:+.0%}")
     s_spec = dataclasses.replace(spec, policies=row["policy"], vary="",   # the label keeps its variant
-                                 output_dir=os.path.join(out, f"sim-{slug}"), repeats=1)
-    sim_row = run_sim_sweep(s_spec, engine_config, sim_config.replace(hardware=prof_path), log=log)[0]
+                                 output_dir=os.path.join(out, f"sim-{slug}"), repeats=1, hardware=prof_path)
+    sim_row = run_sim_sweep(s_spec, engine_config, sim_config, log=log)[0]
     sim_rows[label] = sim_row
     pairs.append((f"{label} (in-run fit)", row, sim_row))
   cal_rows = run_sim_sweep(dataclasses.replace(spec, vary="", repeats=1,
@@ -256,13 +258,13 @@ def compare(spec, engine_config, sim_config, *, command: str, log: Callable[[str
   calibrated = {r["policy"]: r for r in cal_rows}
   for row in real_rows:
     if row["policy"] in calibrated:
-      pairs.append((f"{_slug(row).replace('-rep', '#')} (profile {sim_config.hardware})", row,
+      pairs.append((f"{_slug(row).replace('-rep', '#')} (profile {hardware})", row,
                     calibrated[row["policy"]]))
   table, ok, n = comparison(pairs)
   n_fit = 4 * len(real_rows)
   ok_fit = comparison(pairs[:len(real_rows)])[1]
   summary = (f"{table}\n\nwithin 25%: {ok_fit} of {n_fit} with the in-run fit, {ok - ok_fit} of {n - n_fit} with "
-             f"profile {sim_config.hardware}")
+             f"profile {hardware}")
   with open(os.path.join(out, "validation.txt"), "w", encoding="utf-8") as f:
     f.write(f"`{command}`\n\n{summary}\n")
   return ValidationResult(real_rows=real_rows, fits=fits, sim_rows=sim_rows, calibrated_rows=calibrated,
