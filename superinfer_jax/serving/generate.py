@@ -88,7 +88,8 @@ class Completions:
 
   async def _collect(self, request: Request, req, choices: Choices, created: int, prompt_ids: list[int]):
     """The non-streamed body: every choice's text, tokens and finish reason (and logprobs when asked)."""
-    out = [R.Choice("", [], None) for _ in range(req.n)]
+    asked = req.logprobs is not None
+    out = [R.Choice("", [], None, [] if asked else None, [] if asked else None) for _ in range(req.n)]
     texts: list[list[str]] = [[] for _ in range(req.n)]
     loop = asyncio.get_running_loop()
     next_check = [loop.time() + self.disconnect_poll_s]
@@ -104,16 +105,13 @@ class Completions:
         return error_response(ev)
       texts[i].append(ev.text)
       out[i].token_ids.extend(ev.token_ids)
-      if req.logprobs is not None:
+      if asked:
         tokens, lps = self._logprobs(ev)
-        out[i].tokens = (out[i].tokens or []) + tokens
-        out[i].logprobs = (out[i].logprobs or []) + lps
+        out[i].tokens.extend(tokens)
+        out[i].logprobs.extend(lps)
       if ev.finished:
         choices.final[i] = True
         out[i].text, out[i].finish_reason = "".join(texts[i]), ev.finish_reason
-    if req.logprobs is not None:
-      for c in out:
-        c.tokens, c.logprobs = c.tokens or [], c.logprobs or []
     return R.full_response(req, created, out, len(prompt_ids))
 
   async def _stream(self, req, choices: Choices, created: int, n_prompt: int):

@@ -66,8 +66,10 @@ class RequestPreparer:
                               frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                               logit_bias=req.logit_bias, logprobs=req.logprobs,
                               ).validate(vocab_size=self.vocab_size)
-    except ValueError as e:
-      raise P.APIError(400, str(e), param="logit_bias" if "logit_bias" in str(e) else None) from None
+    except ValueError as e:   # "SamplingParams.<field> ...": the field is the request's of the same name
+      msg = str(e)
+      field = msg.split(" ", 1)[0].removeprefix("SamplingParams.") if msg.startswith("SamplingParams.") else None
+      raise P.APIError(400, msg.removeprefix("SamplingParams."), param=field) from None
     return req, prompt_ids, params
 
   def _chat_prompt(self, messages) -> list[int]:

@@ -30,8 +30,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from superinfer_jax.model.sampling_params import MAX_LOGPROBS  # noqa: F401 (request_parsing's)
-
 INVALID = "invalid_request_error"
 
 

@@ -10,7 +10,8 @@ import math
 import uuid
 from typing import Any, Optional, Sequence
 
-from superinfer_jax.serving.protocol import FIELDS, MAX_LOGPROBS, REFUSED, APIError, ParsedRequest
+from superinfer_jax.model.sampling_params import MAX_LOGPROBS
+from superinfer_jax.serving.protocol import FIELDS, REFUSED, APIError, ParsedRequest
 
 
 def parse_json_body(raw: bytes) -> dict:
@@ -122,19 +123,11 @@ def _parse_logprobs(body: dict, kind: str) -> Optional[int]:
 
 
 def _parse_logit_processing(body: dict) -> dict[str, Any]:
-  """presence / frequency / repetition penalties and ``logit_bias`` (``{"token id": bias}``), range-checked
-  (``SamplingParams``'s ranges; the vocabulary bound is checked there): the engine applies them to the raw
-  logits in its step."""
-  out: dict[str, Any] = {}
-  for name, default, lo, hi in (("presence_penalty", 0.0, -2.0, 2.0), ("frequency_penalty", 0.0, -2.0, 2.0)):
-    v = _get_float(body, name, default)
-    if not lo <= v <= hi:
-      raise APIError(400, f"'{name}' must be in [{lo:g}, {hi:g}], got {v:g}", param=name)
-    out[name] = v
-  r = _get_float(body, "repetition_penalty", 1.0)
-  if not r > 0:
-    raise APIError(400, f"'repetition_penalty' must be > 0 (1 = off), got {r:g}", param="repetition_penalty")
-  out["repetition_penalty"] = r
+  """presence / frequency / repetition penalties (numbers) and ``logit_bias`` (``{"token id": bias}`` -> sorted
+  ``(id, bias)`` pairs), type-checked here; their ranges are ``SamplingParams.validate``'s (``prepare.py``
+  answers its ``ValueError`` with a 400 naming the field). The engine applies them to the raw logits."""
+  out: dict[str, Any] = {name: _get_float(body, name, default) for name, default in (
+      ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))}
   bias = body.get("logit_bias")
   if bias is None:
     bias = {}
@@ -143,15 +136,9 @@ def _parse_logit_processing(body: dict) -> dict[str, Any]:
   pairs = {}
   for key, v in bias.items():
     try:
-      tok = int(key)
+      pairs[int(key)] = v
     except ValueError:
       raise APIError(400, f"'logit_bias' key {key!r} is not a token id", param="logit_bias") from None
-    if tok < 0:
-      raise APIError(400, f"'logit_bias' key {key!r} is not a token id", param="logit_bias")
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-      raise APIError(400, f"'logit_bias' value for token {tok} must be a number in [-100, 100], got "
-                          f"{json.dumps(v)[:40]}", param="logit_bias")
-    pairs[tok] = float(v)
   out["logit_bias"] = tuple(sorted(pairs.items()))
   return out
 
