@@ -535,17 +535,17 @@ def test_reject_request_that_can_never_fit():
 
 def test_on_step_done_tokens_timestamps_and_finish():
   s, bm, clk = make("fcfs")
-  r = Request("a", 2, 2, 0.0, prompt_token_ids=[5, 6])
+  r = Request("a", 2, 2, 0.0)
   s.add_request(r)
   p = s.schedule()
   assert p.scheduled[0].num_new_tokens == 2 and p.scheduled[0].block_table == bm.block_table("a")
   clk.advance(0.5)
-  assert s.on_step_done(p, {"a": 7}) == []
-  assert r.first_token_time == 0.5 and r.output_token_ids == [7] and r.num_generated == 1
+  assert s.on_step_done(p, {"a": 7}) == {}
+  assert r.first_token_time == 0.5 and r.num_generated == 1
   p = s.schedule()
   assert p.scheduled[0].num_new_tokens == 1 and p.scheduled[0].num_computed_tokens == 2
   clk.advance(0.25)
-  assert s.on_step_done(p, {"a": 8}) == ["a"]
+  assert s.on_step_done(p, {"a": 8}, finished={"a": "stop"}) == {"a": "length"}  # length is checked first
   assert r.state is RequestState.FINISHED and r.finish_reason == "length" and r.tbt_max == pytest.approx(0.25)
   assert bm.num_requests == 0 and s.pop_finished() == [r]
 
@@ -556,7 +556,7 @@ def test_engine_finish_and_abort_release_blocks():
   add(s, "b", 0.0, max_tokens=10)
   p = s.schedule()
   clk.advance(0.1)
-  assert s.on_step_done(p, finished={"a": "stop"}) == ["a"]
+  assert s.on_step_done(p, finished={"a": "stop"}) == {"a": "stop"}
   assert s.abort("b") and not s.abort("b")
   assert bm.num_free_device_blocks == bm.num_device_blocks and not s.has_unfinished()
   assert [r.finish_reason for r in s.pop_finished()] == ["stop", "abort"]
@@ -581,7 +581,7 @@ def test_lookahead_plans_next_step_while_one_in_flight():
   assert p3.scheduled == []  # max_tokens reached once p2 completes
   s.check_invariants()
   s.on_step_done(p2, {"a": 3})
-  assert s.get("a") is None and s.pop_finished()[0].output_token_ids is None
+  assert s.get("a") is None and s.pop_finished()[0].finish_reason == "length"
   s.on_step_done(p3)
 
 
@@ -776,3 +776,17 @@ def test_sorted_queue_batch_ops_equal_one_by_one(seed):
     qb.push(r, k)
   assert ids(qa) == ids(qb)
   assert all(r._qentry is e for r, e in zip(more_a, [e for e in qa.entries() if e[2].req_id >= 100]))
+
+
+def test_stats_snapshot_counts_states_and_pools():
+  s, bm, clk = make("rotasched")
+  add(s, "a", 0.0, max_tokens=4)
+  add(s, "b", 0.0, max_tokens=4)
+  st = s.stats()
+  assert (st.num_waiting, st.num_running, st.num_rotary) == (2, 0, 0)
+  assert st.demand_blocks == s.demand_blocks > 0 and st.free_device_blocks == st.device_blocks
+  p = s.schedule()
+  st = s.stats()
+  assert st.num_running == len(p.scheduled) and st.num_waiting == 2 - len(p.scheduled)
+  assert st.free_device_blocks == bm.num_free_device_blocks < st.device_blocks
+  assert st.totals["steps"] == 1 and st.totals is not s.totals

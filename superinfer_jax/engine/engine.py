@@ -274,5 +274,5 @@ class LLMEngine:
     return self.runner.num_compiled_shapes()
 
   def check_invariants(self) -> None:
-    """Block-manager invariants (tests)."""
-    self.block_manager.check_invariants()
+    """The scheduler's and its block manager's invariants (``AssertionError`` on the first violation)."""
+    self.scheduler.check_invariants()

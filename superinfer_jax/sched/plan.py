@@ -17,8 +17,8 @@
     Ordering contract (kv/block_manager.py): gather every D2H source (swap_out + writeback) from the cache of
     the last dispatched step before scattering any H2D block; device blocks freed by a swap-out may be the
     swap-in or append targets of the same step.
-  * ``rotated_out``, ``rotated_in``, ``preempted`` (recompute), ``admitted`` (from WAITING/PREEMPTED),
-    ``finished`` (requests the scheduler ended by length): request-id lists. ``round_trips``: requests
+  * ``rotated_out``, ``rotated_in``, ``preempted`` (recompute), ``admitted`` (from WAITING/PREEMPTED):
+    request-id lists (finishes come back from ``on_step_done``). ``round_trips``: requests
     rotated out and back in within this step (only ``rotasched_code``, as the reference fork does); each is
     in both ``rotated_out`` and ``rotated_in``, and its host blocks are both D2H destinations and H2D
     sources, so the engine issues this step's D2H copies before its H2D copies. ``residency_steps``: the
@@ -73,7 +73,6 @@ class StepPlan:
   admitted: list = dataclasses.field(default_factory=list)
   round_trips: list = dataclasses.field(default_factory=list)
   residency_steps: int = 0   # sum over rotated_out of the steps each had been RUNNING (since it last entered)
-  finished: list = dataclasses.field(default_factory=list)
   num_batched_tokens: int = 0
   contention: bool = False
 

@@ -7,10 +7,32 @@ into a scheduler's internals: request state changes travel in the ``StepPlan`` (
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Hashable, Optional, Protocol, runtime_checkable
 
 from superinfer_jax.sched.plan import StepPlan
 from superinfer_jax.sched.request import Request
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+  """A snapshot of a scheduler and its block pools (``SchedulerProtocol.stats``), for metrics and health.
+
+  Request counts by state; ``demand_blocks``: device blocks the waiting + rotary requests would need to run
+  (``blocks_for(planned_tokens)`` summed); pool sizes and free blocks per tier; ``pending_writebacks``: full
+  dirty blocks queued for eager write-back; ``totals``: the cumulative counters (steps, rotations, blocks
+  moved, preemptions, admitted, finished, aborted, ...), a copy.
+  """
+  num_waiting: int
+  num_running: int
+  num_rotary: int
+  demand_blocks: int
+  device_blocks: int
+  free_device_blocks: int
+  host_blocks: int
+  free_host_blocks: int
+  pending_writebacks: int
+  totals: dict
 
 
 @runtime_checkable
@@ -31,11 +53,20 @@ class SchedulerProtocol(Protocol):
     """Plan the next step at the clock's time."""
 
   def on_step_done(self, plan: StepPlan, new_tokens: Optional[dict] = None, finished: Optional[dict] = None,
-                   now: Optional[float] = None) -> list:
-    """The step of ``plan`` finished; returns the ids of requests that finished with it."""
+                   now: Optional[float] = None) -> dict:
+    """The step of ``plan`` finished; ``finished`` holds the engine's stops (``{req_id: reason}``). Returns
+    ``{req_id: reason}`` of every request that finished with it, in finish order: "length" when it reached
+    its ``max_tokens`` (decided here, and only here), else the engine's reason."""
 
   def pop_finished(self) -> list[Request]:
     """Terminal requests since the last call (drivers call it so nothing is hoarded)."""
 
   def has_unfinished(self) -> bool:
     """True while any request is waiting, running or rotary."""
+
+  def stats(self) -> SchedulerStats:
+    """Request counts, pool occupancy and cumulative counters now (reads only)."""
+
+  def check_invariants(self) -> None:
+    """Asserts the scheduler's and its block manager's invariants (``AssertionError`` naming the first
+    violation); reads only."""

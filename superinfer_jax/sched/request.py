@@ -25,7 +25,7 @@ RUNNING), ``finish_time``. Per-request SLOs ``ttft_slo``/``tbt_slo`` default (No
 from __future__ import annotations
 
 import enum
-from typing import Hashable, Sequence
+from typing import Hashable
 
 
 class RequestState(enum.Enum):
@@ -42,29 +42,23 @@ TERMINAL = (RequestState.FINISHED, RequestState.ABORTED)
 
 class Request:
   """One request's scheduling state. Mutated only by the scheduler (and the engine via ``on_step_done``)."""
-  __slots__ = ("req_id", "prompt_len", "max_tokens", "arrival_time", "ttft_slo", "tbt_slo",
-               "prompt_token_ids", "output_token_ids", "state", "state_time", "first_token_time",
+  __slots__ = ("req_id", "prompt_len", "max_tokens", "arrival_time", "ttft_slo", "tbt_slo", "state", "state_time", "first_token_time",
                "last_token_time", "finish_time", "finish_reason", "num_generated", "num_computed_tokens",
                "inflight_samples", "num_preemptions", "num_rotations", "tbt_max", "_qentry", "_demand",
                "_touched_step", "_admit_step", "_out_step", "_gen_at_admit")
 
   def __init__(self, req_id: Hashable, prompt_len: int, max_tokens: int, arrival_time: float,
-               ttft_slo: float | None = None, tbt_slo: float | None = None,
-               prompt_token_ids: Sequence[int] | None = None):
+               ttft_slo: float | None = None, tbt_slo: float | None = None):
     if prompt_len < 1:
       raise ValueError(f"request {req_id!r}: prompt_len must be >= 1, got {prompt_len}")
     if max_tokens < 1:
       raise ValueError(f"request {req_id!r}: max_tokens must be >= 1, got {max_tokens}")
-    if prompt_token_ids is not None and len(prompt_token_ids) != prompt_len:
-      raise ValueError(f"request {req_id!r}: {len(prompt_token_ids)} prompt ids for prompt_len {prompt_len}")
     self.req_id = req_id
     self.prompt_len = prompt_len
     self.max_tokens = max_tokens
     self.arrival_time = float(arrival_time)
     self.ttft_slo = ttft_slo
     self.tbt_slo = tbt_slo
-    self.prompt_token_ids = list(prompt_token_ids) if prompt_token_ids is not None else None
-    self.output_token_ids: list | None = [] if prompt_token_ids is not None else None
     self.state = RequestState.WAITING
     self.state_time = self.arrival_time
     self.first_token_time: float | None = None
@@ -120,14 +114,6 @@ class Request:
   def planned_tokens(self) -> int:
     """Tokens the request will have once in-flight steps complete (lookahead: +1 per pending sample)."""
     return self.prompt_len + self.num_generated + self.inflight_samples
-
-  @property
-  def is_finished(self) -> bool:
-    return self.state in TERMINAL
-
-  @property
-  def in_decode(self) -> bool:
-    return self.planned_tokens - self.num_computed_tokens == 1
 
   def __repr__(self):
     return (f"Request({self.req_id!r}, {self.state.value}, prompt={self.prompt_len}, gen={self.num_generated}"

@@ -17,11 +17,13 @@ Public API
     of ``kv/block_manager.py``): the engine must dispatch the plan's model step (after issuing its copies)
     before calling ``schedule()`` again.
   * ``on_step_done(plan, new_tokens=None, finished=None, now=None) -> list[req_id]``: the step of ``plan``
-    finished. ``new_tokens[req_id]`` is the sampled token id of every seq with ``sample=True`` (missing or
-    None: lengths only, as in the simulator). ``finished[req_id] = reason`` ends requests the engine stopped
-    (EOS, stop string). Requests reaching ``max_tokens`` finish with reason "length". Stamps first/last token
-    times at ``now`` (default ``clock.now()``). Returns the ids that finished; under lookahead the engine must
-    drop them from the next plan's ``scheduled`` before dispatching it.
+    finished. Every seq with ``sample=True`` gained one token (``new_tokens``, the sampled ids, may be passed
+    for the record; the scheduler keeps no token ids). ``finished[req_id] = reason`` ends requests the
+    engine stopped (EOS, stop string). Requests reaching ``max_tokens`` finish with reason "length" (the one
+    place the length stop is decided). Stamps first/last token times at ``now`` (default ``clock.now()``).
+    Returns ``{req_id: reason}`` of the requests that finished, in finish order; under lookahead the engine
+    must drop them from the next plan's ``scheduled`` before dispatching it.
+  * ``stats() -> SchedulerStats``: counts per state, pool occupancy, totals (``protocol.py``).
   * ``pop_finished() -> list[Request]``: terminal requests since the last call (for metrics).
   * Per-step counters are on the ``StepPlan`` (``plan.py``); cumulative ones in ``totals``.
   * Queries: ``num_waiting``, ``num_running``, ``num_rotary``, ``num_unfinished``, ``has_unfinished()``,
@@ -75,6 +77,7 @@ from superinfer_jax.sched.config import SchedulerConfig
 from superinfer_jax.sched.admission import AdmissionMixin
 from superinfer_jax.sched.invariants import InvariantsMixin
 from superinfer_jax.sched.plan import StepPlan
+from superinfer_jax.sched.protocol import SchedulerStats
 from superinfer_jax.sched.queue import SortedQueue
 from superinfer_jax.sched.request import Request, RequestState
 from superinfer_jax.sched.rotation_ops import RotationOpsMixin
@@ -164,6 +167,14 @@ class Scheduler(RunningStepMixin, RotationOpsMixin, AdmissionMixin, InvariantsMi
   def vlt(self, req_id, now: float | None = None) -> float:
     return vlt_lib.vlt(self.requests[req_id], self.clock.now() if now is None else now,
                        **self.config.vlt_kwargs())
+
+  def stats(self) -> SchedulerStats:
+    bm = self.bm
+    return SchedulerStats(num_waiting=len(self.waiting), num_running=len(self.running),
+                          num_rotary=len(self.rotary), demand_blocks=self._demand,
+                          device_blocks=bm.num_device_blocks, free_device_blocks=bm.num_free_device_blocks,
+                          host_blocks=bm.num_host_blocks, free_host_blocks=bm.num_free_host_blocks,
+                          pending_writebacks=bm.pending_writebacks(), totals=dict(self.totals))
 
   def pop_finished(self) -> list[Request]:
     out, self._finished = self._finished, []
@@ -336,13 +347,13 @@ class Scheduler(RunningStepMixin, RotationOpsMixin, AdmissionMixin, InvariantsMi
 
   # ------------------------------------------------------------------ step done
   def on_step_done(self, plan: StepPlan, new_tokens: dict | None = None, finished: dict | None = None,
-                   now: float | None = None) -> list:
+                   now: float | None = None) -> dict:
     if not self._inflight or self._inflight[0] != plan.step_id:
       raise RuntimeError(f"on_step_done for step {plan.step_id}, but in flight: {self._inflight}")
     self._inflight.pop(0)
     if now is None:
       now = self.clock.now()
-    done = []
+    done = {}
     reqs = self.requests
     for seq in plan.scheduled:
       if not seq.sample:
@@ -351,8 +362,6 @@ class Scheduler(RunningStepMixin, RotationOpsMixin, AdmissionMixin, InvariantsMi
       if r is None:
         continue  # finished or aborted meanwhile
       r.inflight_samples -= 1
-      if r.output_token_ids is not None:
-        r.output_token_ids.append(new_tokens.get(seq.req_id) if new_tokens else None)
       queued = r._qentry is not None
       if queued:
         self._dequeue(r)
@@ -371,11 +380,11 @@ class Scheduler(RunningStepMixin, RotationOpsMixin, AdmissionMixin, InvariantsMi
           self._enqueue_waiting(r, preempted=r.state is PREEMPTED)
       if r.num_generated >= r.max_tokens:
         self._finish(r, "length", now)
-        done.append(r.req_id)
+        done[r.req_id] = "length"
     if finished:
       for rid, reason in finished.items():
         r = reqs.get(rid)
         if r is not None:
           self._finish(r, reason, now)
-          done.append(rid)
+          done[rid] = reason
     return done

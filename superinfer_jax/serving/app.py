@@ -54,11 +54,11 @@ def context_of(engine: Any) -> int:
 
 def _pools(eng: Any) -> dict:
   """The block manager's invariant check and pools, and the requests per state (run in the engine thread)."""
-  eng.block_manager.check_invariants()
-  bm, sch = eng.block_manager, eng.scheduler
+  eng.check_invariants()
+  sch = eng.scheduler.stats()
   return {"invariants": "ok", "waiting": sch.num_waiting, "running": sch.num_running, "rotary": sch.num_rotary,
-          "device_blocks_free": bm.num_free_device_blocks, "device_blocks": bm.num_device_blocks,
-          "host_blocks_free": bm.num_free_host_blocks, "host_blocks": bm.num_host_blocks}
+          "device_blocks_free": sch.free_device_blocks, "device_blocks": sch.device_blocks,
+          "host_blocks_free": sch.free_host_blocks, "host_blocks": sch.host_blocks}
 
 
 def _lifespan(state: dict, metrics: ServerMetrics, completions: Completions, names: list, max_model_len: int,

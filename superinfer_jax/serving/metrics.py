@@ -101,10 +101,10 @@ class ServerMetrics:
     self._scheduled.discard(rid)
 
   def after_step(self, engine) -> None:
-    bm, sch, st = engine.block_manager, engine.scheduler, engine.stats
+    sch, st = engine.scheduler.stats(), engine.stats
     snap = dict(waiting=sch.num_waiting, running=sch.num_running, rotary=sch.num_rotary,
-                dev_total=bm.num_device_blocks, dev_free=bm.num_free_device_blocks,
-                host_total=bm.num_host_blocks, host_free=bm.num_free_host_blocks,
+                dev_total=sch.device_blocks, dev_free=sch.free_device_blocks,
+                host_total=sch.host_blocks, host_free=sch.free_host_blocks,
                 steps=st.steps, rot_out=st.rotations_out, rot_in=st.rotations_in, bytes_out=st.bytes_out,
                 bytes_in=st.bytes_in, recompute=st.recompute_preemptions, tokens=st.tokens_generated)
     with self._lock:

@@ -5,8 +5,8 @@ multi-host serving run without a model).
 ... up to its ``max_tokens``, text ``" t<n>"``, timestamp = the step count; with ``params.logprobs = k`` a
 ``TokenLogprobs`` of logprob ``-n / 10`` and top ids ``n, n + 1, ...`` at ``-(n + j) / 10``), then finishes it
 with ``"length"``; ``abort`` finishes it with ``"abort"`` at the next step. It keeps the attributes the serving
-layer reads (``tokenizer``, ``max_model_len``, ``model_config.vocab_size``, ``stats``, ``block_manager``
-counts, ``scheduler`` queue sizes, ``replica.local_now``). ``fail_next = n`` makes the next n steps raise.
+layer reads (``tokenizer``, ``max_model_len``, ``model_config.vocab_size``, ``stats``, ``scheduler.stats()``,
+``check_invariants()``, ``replica.local_now``). ``fail_next = n`` makes the next n steps raise.
 """
 from __future__ import annotations
 
@@ -23,9 +23,8 @@ class FakeEngine:
     self.max_model_len = 64
     self.model_config = types.SimpleNamespace(vocab_size=100)
     self.stats = EngineStats()
-    self.block_manager = types.SimpleNamespace(num_device_blocks=8, num_free_device_blocks=8, num_host_blocks=0,
-                                               num_free_host_blocks=0, check_invariants=lambda: None)
-    self.scheduler = types.SimpleNamespace(num_waiting=0, num_running=0, num_rotary=0)
+    self.free_device_blocks = 8
+    self.scheduler = types.SimpleNamespace(stats=self._scheduler_stats)
     self.replica = types.SimpleNamespace(local_now=clock or time.monotonic)
     self.live: dict = {}          # request id -> [max_tokens, tokens emitted]
     self.final: list = []         # outputs of aborted requests, returned by the next step()
@@ -36,14 +35,23 @@ class FakeEngine:
     del prompt, ttft_slo, tbt_slo
     self.live[request_id] = [params.max_tokens, 0, params.logprobs]
     self.arrivals[request_id] = arrival_time
-    self.block_manager.num_free_device_blocks -= 1
+    self.free_device_blocks -= 1
 
   def abort(self, rid):
     from superinfer_jax.engine.config import RequestOutput  # pylint: disable=import-outside-toplevel
     if rid in self.live:
       del self.live[rid]
-      self.block_manager.num_free_device_blocks += 1
+      self.free_device_blocks += 1
       self.final.append(RequestOutput(rid, [], "", [], finished=True, finish_reason="abort"))
+
+  def _scheduler_stats(self):
+    from superinfer_jax.sched.protocol import SchedulerStats  # pylint: disable=import-outside-toplevel
+    return SchedulerStats(num_waiting=0, num_running=len(self.live), num_rotary=0, demand_blocks=0,
+                          device_blocks=8, free_device_blocks=self.free_device_blocks, host_blocks=0,
+                          free_host_blocks=0, pending_writebacks=0, totals={})
+
+  def check_invariants(self):
+    assert self.free_device_blocks == 8 - len(self.live), (self.free_device_blocks, self.live)
 
   def has_unfinished(self):
     return bool(self.live or self.final)
@@ -71,5 +79,5 @@ class FakeEngine:
                                 finish_reason="length" if done else None, logprobs=lps))
       if done:
         del self.live[rid]
-        self.block_manager.num_free_device_blocks += 1
+        self.free_device_blocks += 1
     return outs

@@ -290,7 +290,7 @@ class EngineWorker:
         self.engine.step()
       if self.engine.has_unfinished():
         raise RuntimeError("the engine still has unfinished requests after aborting them all")
-      self.engine.block_manager.check_invariants()
+      self.engine.check_invariants()
       return
     except Exception:  # pylint: disable=broad-except
       log.exception("the engine did not recover from a failed step")
