@@ -1,7 +1,10 @@
-"""``SortedQueue``: the scheduler's waiting and rotary queues, sorted by a key fixed at push time.
+"""``SortedQueue``: the scheduler's waiting and rotary queues, sorted by a key fixed at push time, with the
+device blocks their requests would need (``demand``); ``QueueView``: the read-only face policies get.
 
 Keys are the policies' queue keys (``policies/``): times that only grow for most pushes (arrivals, last-token
-times), so a push is usually an append. Ascending = head. Pure Python (no JAX).
+times), so a push is usually an append. Ascending = head. A queued request carries its entry (``_qentry``) and
+its demand (``queued_demand``); this module is the one writer of both (``request.FIELD_WRITERS``). Pure Python
+(no JAX).
 """
 from __future__ import annotations
 
@@ -13,17 +16,25 @@ from superinfer_jax.sched.request import Request
 
 
 class SortedQueue:
-  """Requests sorted by a key fixed at push time (ascending = head). O(log n) search + memmove updates."""
+  """Requests sorted by a key fixed at push time (ascending = head). O(log n) search + memmove updates.
+  ``demand``: the sum of the queued requests' demands (blocks), kept on every push and removal."""
 
   def __init__(self):
     self._items: list = []
     self._seq = 0
+    self.demand = 0
 
-  def push(self, r: Request, key) -> None:
-    self.push_many((r,), (key,))
+  def push(self, r: Request, key, demand: int) -> None:
+    self.push_many((r,), (key,), (demand,))
 
-  def push_many(self, rs, keys) -> None:
-    """Queues each ``r`` of ``rs`` under the matching key of ``keys``, in order; equal keys keep push order."""
+  def push_many(self, rs, keys, demands) -> None:
+    """Queues each ``r`` of ``rs`` under the matching key of ``keys`` with the matching device-block demand
+    of ``demands``, in order; equal keys keep push order."""
+    total = 0
+    for r, d in zip(rs, demands):
+      r.queued_demand = d
+      total += d
+    self.demand += total
     items = self._items
     seq = self._seq
     n = len(keys)
@@ -62,18 +73,23 @@ class SortedQueue:
     if j < 0 or j >= len(items) or items[j] is not last:
       raise KeyError(f"{rs[-1]!r} not in this queue")
     for r in rs:
-      r._qentry = None
+      r._qentry = None  # marks them for the filters below
     k = len(entries)
     kept = [e for e in items[:j + 1] if e[2]._qentry is e]
     if len(kept) == j + 1 - k:
       items[:j + 1] = kept
-      return
-    kept = [e for e in items if e[2]._qentry is e]  # some of rs lie after rs[-1], or are not queued
-    if len(kept) != len(items) - k:
-      for r, e in zip(rs, entries):
-        r._qentry = e
-      raise KeyError("remove_many: some requests are not in this queue")
-    items[:] = kept
+    else:
+      kept = [e for e in items if e[2]._qentry is e]  # some of rs lie after rs[-1], or are not queued
+      if len(kept) != len(items) - k:
+        for r, e in zip(rs, entries):
+          r._qentry = e
+        raise KeyError("remove_many: some requests are not in this queue")
+      items[:] = kept
+    demand = 0
+    for r in rs:
+      demand += r.queued_demand
+      r.queued_demand = 0
+    self.demand -= demand
 
   def remove(self, r: Request) -> None:
     entry = r._qentry
@@ -86,6 +102,8 @@ class SortedQueue:
         raise KeyError(f"{r!r} not in this queue")
       del items[i]
     r._qentry = None
+    self.demand -= r.queued_demand
+    r.queued_demand = 0
 
   def __len__(self) -> int:
     return len(self._items)
@@ -113,3 +131,38 @@ class SortedQueue:
 
   def head(self) -> Request | None:
     return self._items[0][2] if self._items else None
+
+
+class QueueView:
+  """A read-only face of a ``SortedQueue`` (what policies see): length, truth, snapshots, head-first
+  iteration, and ``view()``, the live entry list for a scan that changes no queue. It never changes the
+  queue."""
+  __slots__ = ("_q",)
+
+  def __init__(self, queue: SortedQueue):
+    self._q = queue
+
+  def __len__(self) -> int:
+    return len(self._q._items)
+
+  def __bool__(self) -> bool:
+    return bool(self._q._items)
+
+  @property
+  def demand(self) -> int:
+    return self._q.demand
+
+  def requests(self) -> list[Request]:
+    return self._q.requests()
+
+  def iter_requests(self) -> Iterator[Request]:
+    return self._q.iter_requests()
+
+  def entries(self) -> list:
+    return self._q.entries()
+
+  def view(self) -> list:
+    return self._q._items
+
+  def head(self) -> Request | None:
+    return self._q.head()

@@ -9,6 +9,7 @@ from superinfer_jax.sched.policies.base import ROTARY, RUNNING, Policy
 from superinfer_jax.sched.policies.lvf import _lvf_merge
 from superinfer_jax.sched.request import Request
 from superinfer_jax.sched.vlt import rotary_ref_time
+from superinfer_jax.util import cdiv
 
 
 class RotationPolicy(Policy):
@@ -17,11 +18,11 @@ class RotationPolicy(Policy):
   reactive_mode = "swap"
   uses_running_needs = True
 
-  def waiting_key(self, r, sched):
+  def waiting_key(self, r, config):
     return (r.arrival_time,)
 
-  def preempted_key(self, r, sched):
-    return self.waiting_key(r, sched)
+  def preempted_key(self, r, config):
+    return self.waiting_key(r, config)
 
   def urgent(self, r: Request, now: float) -> bool:
     return True  # VLT >= 0 holds for every waiting / rotary request (ReLU)
@@ -29,39 +30,40 @@ class RotationPolicy(Policy):
   def victim_ok(self, r: Request, now: float) -> bool:
     return now - r.state_time > 0  # VLT(r) = -(now - t_run) < 0
 
-  def schedule_step(self, sched, plan, now):
+  def schedule_step(self, step):
     """Algorithm 1, one step: contention check, prioritize (R), pick victims (P), execute."""
-    bx = sched.config.proactive_swap_budget
-    grow, run_tokens = sched.running_needs()
-    b_hbm = sched.bm.num_free_device_blocks - grow
-    if b_hbm >= sched.demand_blocks or bx == 0:
-      self.schedule_without_rotation(sched, now)
+    bx = step.config.proactive_swap_budget
+    grow, run_tokens = step.running_needs()
+    b_hbm = step.bm.num_free_device_blocks - grow
+    if b_hbm >= step.demand_blocks or bx == 0:
+      self.schedule_without_rotation(step)
       return
-    plan.contention = True
-    R, b_used = self.prioritize(sched, now, b_hbm, sched.budget_left() - run_tokens)
-    victims = self.pick_victims(sched, now, b_swap=b_used - b_hbm, seats=len(R) - sched.seats_left())
-    self.execute(sched, victims, R)
+    step.mark_contention()
+    R, b_used = self.prioritize(step, b_hbm, step.budget_left() - run_tokens)
+    victims = self.pick_victims(step, b_swap=b_used - b_hbm, seats=len(R) - step.seats_left())
+    self.execute(step, victims, R)
 
-  def schedule_without_rotation(self, sched, now) -> None:
+  def schedule_without_rotation(self, step) -> None:
     """Step 1's fallback (no contention, or B_xfer = 0): running requests, then admission in policy order."""
-    bx = sched.config.proactive_swap_budget
-    sched.schedule_running(self.reactive_mode, swap_cap=bx)
-    for r in self.candidates(sched, now):
-      if sched.budget_left() <= 0 or sched.seats_left() <= 0:
+    bx = step.config.proactive_swap_budget
+    step.schedule_running(self.reactive_mode, swap_cap=bx)
+    for r in self.candidates(step):
+      if step.budget_left() <= 0 or step.seats_left() <= 0:
         break
-      if not sched.admit(r, cap=bx):
+      if not step.admit(r, cap=bx):
         break
 
-  def prioritize(self, sched, now: float, b_hbm: int, tokens: int) -> tuple[list[Request], int]:
+  def prioritize(self, step, b_hbm: int, tokens: int) -> tuple[list[Request], int]:
     """Step 2: scan candidates in priority order and build R. Returns (R, blocks R needs).
 
     A candidate joins when it is urgent and ``blk(r)`` fits ``B_HBM + B_xfer`` (non-urgent: ``B_HBM``), its
     swap-in fits the B_xfer in-budget, and tokens and seats remain. Hot loop: request fields are read inline.
     """
-    cfg = sched.config
-    bs = sched.bm.block_size
+    cfg = step.config
+    bs = step.bm.block_size
     bx = cfg.proactive_swap_budget
-    step = sched.step_id
+    now = step.now
+    step_id = step.step_id
     b_used = 0
     in_blocks = 0
     R = []
@@ -73,8 +75,8 @@ class RotationPolicy(Policy):
       return R, b_used
     urgent = None if type(self).urgent is RotationPolicy.urgent else self.urgent  # None: always urgent
     # At most lvf_scan_limit candidates; the other stopping rules are checked where their inputs change.
-    for r in itertools.islice(self.scan_candidates(sched, now), cfg.lvf_scan_limit):
-      if r.touched_step == step or r.inflight_samples:
+    for r in itertools.islice(self.scan_candidates(step), cfg.lvf_scan_limit):
+      if r.touched_step == step_id or r.inflight_samples:
         continue
       blk = r.queued_demand  # blocks_for(planned_tokens), kept by the queues (inflight_samples is 0 here)
       if b_used + blk > (b_all if urgent is None or urgent(r, now) else b_hbm):
@@ -84,7 +86,7 @@ class RotationPolicy(Policy):
         continue
       if r.state is ROTARY:
         # bm.blocks_to_swap_in(r.req_id): a rotary request's host blocks cover exactly its computed tokens.
-        nin = (r.num_computed_tokens + bs - 1) // bs
+        nin = (r.num_computed_tokens + bs - 1) // bs  # cdiv, inline
         if in_blocks and in_blocks + nin > bx:
           skips += 1
           if skips >= max_skips:
@@ -102,7 +104,7 @@ class RotationPolicy(Policy):
         break
     return R, b_used
 
-  def pick_victims(self, sched, now: float, b_swap: int, seats: int) -> list[Request]:
+  def pick_victims(self, step, b_swap: int, seats: int) -> list[Request]:
     """Step 3: running requests to rotate out, from the tail of L (longest-running first), while R still
     needs ``b_swap`` blocks or ``seats`` seats. A victim has VLT < 0, is rotatable (decode phase, sampled
     since it last entered RUNNING, not about to finish), has been resident ``min_residency`` steps, has been
@@ -110,12 +112,14 @@ class RotationPolicy(Policy):
     out-budget."""
     if b_swap <= 0 and seats <= 0:
       return []
-    bm = sched.bm
+    bm = step.bm
     bs = bm.block_size
-    bx = sched.config.proactive_swap_budget
-    step = sched.step_id
-    oldest_admit = step - sched.config.min_residency  # resident_long_enough(v), inline
-    max_rot = sched.config.max_rotations_per_request
+    cfg = step.config
+    bx = cfg.proactive_swap_budget
+    now = step.now
+    step_id = step.step_id
+    min_residency = cfg.min_residency
+    max_rot = cfg.max_rotations_per_request
     victims = []
     out_copies = 0
     victim_ok = None if type(self).victim_ok is RotationPolicy.victim_ok else self.victim_ok
@@ -124,8 +128,8 @@ class RotationPolicy(Policy):
     # swap-out copies the request's full dirty blocks, which are queued for write-back, plus at most its
     # tail block, so any set of victims copies at most pending_writebacks() + its size: when that bound
     # fits, every check passes and the copies are not counted.
-    exact = bm.pending_writebacks() + len(sched.running) > bx
-    for v in sched.running.values():
+    exact = bm.pending_writebacks() + len(step.running) > bx
+    for v in step.running.values():
       if b_swap <= 0 and seats <= 0:
         break
       if victim_ok is None:
@@ -133,10 +137,7 @@ class RotationPolicy(Policy):
           continue
       elif not victim_ok(v, now):
         continue
-      # Scheduler.rotatable(v), inline.
-      gen = v.num_generated + v.inflight_samples
-      if (v.prompt_len + gen - v.num_computed_tokens != 1 or v.touched_step == step
-          or gen <= v.generated_at_admit or gen >= v.max_tokens or v.admit_step > oldest_admit):
+      if not v.rotatable(step_id) or v.resident_for(step_id) < min_residency:
         continue
       if max_rot is not None and v.num_rotations >= max_rot:
         continue
@@ -146,47 +147,46 @@ class RotationPolicy(Policy):
           continue
         out_copies += copies
       victims.append(v)
-      b_swap -= (v.num_computed_tokens + bs - 1) // bs  # bm.num_blocks(rid): running => all computed
+      b_swap -= cdiv(v.num_computed_tokens, bs)  # bm.num_blocks(rid): running => all computed
       seats -= 1
     return victims
 
-  def execute(self, sched, victims: list[Request], R: list[Request]) -> None:
+  def execute(self, step, victims: list[Request], R: list[Request]) -> None:
     """Step 4: rotate P out, schedule running requests (reactive eviction = rotation if allowed, else
     recompute), then admit R in order, skipping those that do not fit."""
-    cfg = sched.config
+    cfg = step.config
     bx = cfg.proactive_swap_budget
     # pick_victims checked rotatable(v) in this step; a victim the host pool cannot take stays running, or
     # falls back to recompute (opt-in; see SchedulerConfig).
-    sched.rotate_out_many(victims, recompute_if_full=cfg.proactive_recompute)
-    sched.schedule_running(self.reactive_mode, swap_cap=bx)
-    sched.admit_in_order(R, cap=bx, prechecked=True)  # R: prioritize's, checked in this step
+    step.rotate_out_many(victims, recompute_if_full=cfg.proactive_recompute)
+    step.schedule_running(self.reactive_mode, swap_cap=bx)
+    step.admit_in_order(R, cap=bx, prechecked=True)  # R: prioritize's, checked in this step
 
 
 class RotaSched(RotationPolicy):
   """Largest-VLT-First. Queue keys are the VLT "zero points": VLT = ReLU(now - key) (x alpha for rotary)."""
   name = "rotasched"
 
-  def waiting_key(self, r, sched):
-    cfg = sched.config
-    sf = r.ttft_slo if r.ttft_slo is not None else cfg.ttft_slo
-    return (r.arrival_time + cfg.beta_f * sf,)
+  def waiting_key(self, r, config):
+    sf = r.ttft_slo if r.ttft_slo is not None else config.ttft_slo
+    return (r.arrival_time + config.beta_f * sf,)
 
-  def rotary_key(self, r, sched):
-    return self.rotary_keys((r,), sched)[0]
+  def rotary_key(self, r, config):
+    return self.rotary_keys((r,), config)[0]
 
-  def rotary_keys(self, rs, sched):
+  def rotary_keys(self, rs, config):
     # (rotary_ref_time(r) + beta_b * S_B,) per request, inline: victims are keyed in one pass per step.
-    cfg = sched.config
+    cfg = config
     beta_b = cfg.beta_b
     tbt_slo = cfg.tbt_slo
     return [((r.last_token_time if r.last_token_time is not None else r.state_time)
              + beta_b * (r.tbt_slo if r.tbt_slo is not None else tbt_slo),) for r in rs]
 
-  def candidates(self, sched, now):
-    return _lvf_merge(sched.waiting.entries(), sched.rotary.entries(), now, sched.config.alpha)
+  def candidates(self, step):
+    return _lvf_merge(step.waiting.entries(), step.rotary.entries(), step.now, step.config.alpha)
 
-  def scan_candidates(self, sched, now):
-    return _lvf_merge(sched.waiting.view(), sched.rotary.view(), now, sched.config.alpha)
+  def scan_candidates(self, step):
+    return _lvf_merge(step.waiting.view(), step.rotary.view(), step.now, step.config.alpha)
 
 
 class RotaSchedStrict(RotaSched):
@@ -210,16 +210,16 @@ class EDF(RotationPolicy):
   """Earliest SLO deadline first; only late candidates may displace running requests."""
   name = "edf"
 
-  def waiting_key(self, r, sched):
-    sf = r.ttft_slo if r.ttft_slo is not None else sched.config.ttft_slo
+  def waiting_key(self, r, config):
+    sf = r.ttft_slo if r.ttft_slo is not None else config.ttft_slo
     return (r.arrival_time + sf,)
 
-  def rotary_key(self, r, sched):
-    sb = r.tbt_slo if r.tbt_slo is not None else sched.config.tbt_slo
+  def rotary_key(self, r, config):
+    sb = r.tbt_slo if r.tbt_slo is not None else config.tbt_slo
     return (rotary_ref_time(r) + sb,)
 
-  def candidates(self, sched, now):
-    merged = heapq.merge(sched.waiting.entries(), sched.rotary.entries(), key=lambda e: e[0])
+  def candidates(self, step):
+    merged = heapq.merge(step.waiting.entries(), step.rotary.entries(), key=lambda e: e[0])
     return (e[2] for e in merged)
 
   def urgent(self, r, now):

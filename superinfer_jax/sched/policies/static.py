@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 
-from superinfer_jax.sched.policies.base import RUNNING, Policy
+from superinfer_jax.sched.policies.base import Policy
 from superinfer_jax.sched.request import Request
+from superinfer_jax.util import cdiv
 
 
 class FCFS(Policy):
@@ -13,14 +14,14 @@ class FCFS(Policy):
   name = "fcfs"
   uses_host_pool = False
 
-  def schedule_step(self, sched, plan, now):
-    evicted = sched.schedule_running(self.reactive_mode)
+  def schedule_step(self, step):
+    evicted = step.schedule_running(self.reactive_mode)
     if evicted:
       return
-    for r in self.candidates(sched, now):
-      if sched.budget_left() <= 0 or sched.seats_left() <= 0:
+    for r in self.candidates(step):
+      if step.budget_left() <= 0 or step.seats_left() <= 0:
         break
-      if not sched.admit(r):
+      if not step.admit(r):
         break
 
 
@@ -31,12 +32,12 @@ class FCFSSwap(FCFS):
   reactive_mode = "swap"
   uses_host_pool = True
 
-  def rotary_key(self, r, sched):
+  def rotary_key(self, r, config):
     self._head_counter += 1
     return (-self._head_counter,)  # the latest victim at the head
 
-  def candidates(self, sched, now):
-    return itertools.chain(sched.rotary.iter_requests(), sched.waiting.iter_requests())
+  def candidates(self, step):
+    return itertools.chain(step.rotary.iter_requests(), step.waiting.iter_requests())
 
 
 class SwappedFirst(FCFS):
@@ -60,16 +61,16 @@ class SwappedFirst(FCFS):
   reactive_mode = "swap"
   uses_host_pool = True
 
-  def schedule_step(self, sched, plan, now):
-    if sched.schedule_running(self.reactive_mode):
+  def schedule_step(self, step):
+    if step.schedule_running(self.reactive_mode):
       return  # v0: no swap-in in a step that evicted
-    for r in sched.rotary.iter_requests():
-      if sched.budget_left() <= 0 or sched.seats_left() <= 0 or not sched.swap_in(r):
+    for r in step.rotary.iter_requests():
+      if step.budget_left() <= 0 or step.seats_left() <= 0 or not step.swap_in(r):
         return
-    if sched.rotary:
+    if step.rotary:
       return  # v0: no new prefill while any request is swapped out
-    for r in sched.waiting.iter_requests():
-      if sched.budget_left() <= 0 or sched.seats_left() <= 0 or not sched.admit_waiting(r):
+    for r in step.waiting.iter_requests():
+      if step.budget_left() <= 0 or step.seats_left() <= 0 or not step.admit_waiting(r):
         return
 
 
@@ -89,58 +90,59 @@ class WaitingFirst(Policy):
   reactive_mode = "swap"
   uses_running_needs = True
 
-  def waiting_key(self, r, sched):
+  def waiting_key(self, r, config):
     return (r.arrival_time,)
 
-  def preempted_key(self, r, sched):
-    return self.waiting_key(r, sched)
+  def preempted_key(self, r, config):
+    return self.waiting_key(r, config)
 
-  def rotary_key(self, r, sched):
+  def rotary_key(self, r, config):
     return (r.state_time,)
 
-  def candidates(self, sched, now):
-    return itertools.chain(sched.waiting.iter_requests(), sched.rotary.iter_requests())
+  def candidates(self, step):
+    return itertools.chain(step.waiting.iter_requests(), step.rotary.iter_requests())
 
-  def schedule_step(self, sched, plan, now):
-    if sched.waiting:
-      grow, run_tokens = sched.running_needs()
-      free = sched.bm.num_free_device_blocks - grow
-      if free < sched.demand_blocks:
-        plan.contention = True
-      if plan.contention or sched.seats_left() < len(sched.waiting):  # else every waiting request fits
-        victims = self.pick_victims(sched, free, sched.budget_left() - run_tokens)
+  def schedule_step(self, step):
+    if step.waiting:
+      grow, run_tokens = step.running_needs()
+      free = step.bm.num_free_device_blocks - grow
+      contended = free < step.demand_blocks
+      if contended:
+        step.mark_contention()
+      if contended or step.seats_left() < len(step.waiting):  # else every waiting request fits
+        victims = self.pick_victims(step, free, step.budget_left() - run_tokens)
         if victims:
-          sched.rotate_out_many(victims)
-    evicted = sched.schedule_running(self.reactive_mode)
+          step.rotate_out_many(victims)
+    evicted = step.schedule_running(self.reactive_mode)
     if evicted:
       return
-    for r in sched.waiting.iter_requests():
-      if sched.budget_left() <= 0 or sched.seats_left() <= 0 or not sched.admit_waiting(r):
+    for r in step.waiting.iter_requests():
+      if step.budget_left() <= 0 or step.seats_left() <= 0 or not step.admit_waiting(r):
         return
-    if sched.waiting:
+    if step.waiting:
       return
-    for r in sched.rotary.iter_requests():
-      if sched.budget_left() <= 0 or sched.seats_left() <= 0:
+    for r in step.rotary.iter_requests():
+      if step.budget_left() <= 0 or step.seats_left() <= 0:
         return
-      sched.swap_in(r)
+      step.swap_in(r)
 
-  def pick_victims(self, sched, free: int, tokens: int) -> list[Request]:
+  def pick_victims(self, step, free: int, tokens: int) -> list[Request]:
     """Running requests to rotate out so that the waiting requests this step can take fit ``free`` device
     blocks: latest arrival first, rotatable ones only (decode phase, sampled since they last entered
     RUNNING)."""
-    bs = sched.bm.block_size
-    seats = sched.seats_left()
-    pool = sorted((v for v in sched.running.values() if sched.rotatable(v)), key=lambda v: -v.arrival_time)
-    held = [(v.num_computed_tokens + bs - 1) // bs for v in pool]  # running: blocks cover the computed tokens
+    bs = step.bm.block_size
+    seats = step.seats_left()
+    pool = sorted((v for v in step.running.values() if step.rotatable(v)), key=lambda v: -v.arrival_time)
+    held = [cdiv(v.num_computed_tokens, bs) for v in pool]  # running: blocks cover the computed tokens
     left = sum(held)
     victims = []
     i = 0
-    for r in sched.waiting.iter_requests():
-      if tokens <= 0 or r.touched_step == sched.step_id or r.inflight_samples:
+    for r in step.waiting.iter_requests():
+      if tokens <= 0 or r.touched_step == step.step_id or r.inflight_samples:
         break
       c = r.num_computed_tokens
       n = min(r.planned_tokens - c, tokens)
-      need = (c + n + bs - 1) // bs - (c + bs - 1) // bs
+      need = cdiv(c + n, bs) - cdiv(c, bs)
       if need > free + left or (seats <= 0 and i == len(pool)):
         break  # head-of-line: it cannot fit even with every rotatable running request gone
       while need > free or seats <= 0:
