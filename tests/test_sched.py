@@ -2,8 +2,9 @@
 import pytest
 
 from superinfer_jax.kv.block_manager import BlockManager
-from superinfer_jax.sched import (POLICIES, Request, RequestState, Scheduler, SchedulerConfig, VirtualClock,
-                                  WallClock, vlt)
+from superinfer_jax.sched import (POLICIES, Request, RequestState, Scheduler, SchedulerConfig, StepPlan,
+                                  VirtualClock, WallClock, vlt)
+from superinfer_jax.sched.step import StepBuilder
 
 KW = dict(alpha=3.0, beta_b=0.0, beta_f=0.5, ttft_slo=5.0, tbt_slo=0.1)
 
@@ -25,6 +26,19 @@ def step(s, clk, dt=0.1, finished=None):
   s.on_step_done(plan, finished=finished)
   s.check_invariants()
   return plan
+
+
+def queue(s, r):
+  """Places a hand-built WAITING or ROTARY request in its queue, as the scheduler's PendingQueues would."""
+  if r.state is RequestState.ROTARY:
+    s.pending.enqueue_rotary_many((r,))
+  else:
+    s.pending.enqueue_waiting(r, preempted=False)
+
+
+def step_at(s, now):
+  """A step of ``s`` planned at ``now`` (what a policy is handed), for reading its candidate orders."""
+  return StepBuilder(s, StepPlan(step_id=s.step_id, time=now), count_needs=False)
 
 
 def add(s, rid, t, prompt=2, max_tokens=3, **kw):
@@ -279,15 +293,14 @@ def test_rotasched_orders_by_vlt_across_queues():
   pol = s.policy
   now = 10.0
   reqs = {}
+  # (hand-placed in the queues below, as the scheduler's PendingQueues would place them)
   for rid, state, t in [("w_old", "W", 5.5), ("w_new", "W", 6.5), ("x_old", "R", 9.5), ("x_new", "R", 9.9)]:
     r = Request(rid, 2, 3, arrival_time=t if state == "W" else 0.0)
     if state == "R":
       r.state, r.last_token_time, r.num_generated, r.num_computed_tokens = RequestState.ROTARY, t, 1, 2
-      s.rotary.push(r, pol.rotary_key(r, s))
-    else:
-      s.waiting.push(r, pol.waiting_key(r, s))
+    queue(s, r)
     reqs[rid] = r
-  order = [r.req_id for r in pol.candidates(s, now)]
+  order = [r.req_id for r in pol.candidates(step_at(s, now))]
   assert order == ["w_old", "x_old", "w_new", "x_new"]
   vl = [vlt(reqs[i], now, **KW) for i in order]
   assert vl == sorted(vl, reverse=True) and vl[0] == pytest.approx(2.0) and vl[-1] == pytest.approx(0.3)
@@ -300,10 +313,9 @@ def test_edf_orders_by_deadline_and_rotasched_code_by_in_waiting_since():
   x = Request("x", 2, 3, arrival_time=0.0)
   x.state, x.last_token_time = RequestState.ROTARY, 4.95  # deadline 5.05
   y = Request("y", 2, 3, arrival_time=0.0, ttft_slo=1.0)  # deadline 1.0 (tighter SLO)
-  s.waiting.push(w, pol.waiting_key(w, s))
-  s.rotary.push(x, pol.rotary_key(x, s))
-  s.waiting.push(y, pol.waiting_key(y, s))
-  assert [r.req_id for r in pol.candidates(s, 5.0)] == ["y", "w", "x"]
+  for r in (w, x, y):
+    queue(s, r)
+  assert [r.req_id for r in pol.candidates(step_at(s, 5.0))] == ["y", "w", "x"]
   assert pol.urgent(y, 2.0) and not pol.urgent(x, 5.0)
 
   s, _, _ = make("rotasched_code")
@@ -312,9 +324,9 @@ def test_edf_orders_by_deadline_and_rotasched_code_by_in_waiting_since():
   b = Request("b", 2, 3, arrival_time=0.0)
   b.state, b.state_time = RequestState.ROTARY, 2.0  # rotated out at 2.0: in_waiting_since = 2.0
   a.state_time = 3.0
-  s.waiting.push(a, pol.waiting_key(a, s))
-  s.rotary.push(b, pol.rotary_key(b, s))
-  assert [r.req_id for r in pol.candidates(s, 5.0)] == ["b", "a"]
+  queue(s, a)
+  queue(s, b)
+  assert [r.req_id for r in pol.candidates(step_at(s, 5.0))] == ["b", "a"]
 
 
 def test_rotasched_code_keeps_budget_free():
@@ -634,10 +646,11 @@ def test_sorted_queue_matches_a_sorted_list(seed):
       # Mostly non-decreasing keys (the tail fast path), with ties and some out-of-order keys.
       key = (float(rng.choice([n // 3, n // 3, rng.randrange(n // 3 + 1)])),)
       n += 1
-      q.push(r, key)
+      q.push(r, key, i % 3)
       ref.append((key, n, r))
       ref.sort(key=lambda e: (e[0], e[1]))
     assert q.requests() == [e[2] for e in ref]
+    assert q.demand == sum(e[2].req_id % 3 for e in ref)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -724,7 +737,7 @@ def test_sorted_queue_remove_many_in_any_order_or_refused_whole(seed):
   rng = random.Random(seed)
   reqs = [Request(i, 1, 1, 0.0) for i in range(25)]
   q = SortedQueue()
-  q.push_many(reqs, [(rng.choice([0.0, 1.0, rng.random()]),) for _ in reqs])
+  q.push_many(reqs, [(rng.choice([0.0, 1.0, rng.random()]),) for _ in reqs], [r.req_id for r in reqs])
   before = q.entries()
   pick = rng.sample(reqs, rng.randint(2, 12))
   pick.sort(key=lambda r: r._qentry)
@@ -735,8 +748,10 @@ def test_sorted_queue_remove_many_in_any_order_or_refused_whole(seed):
   with pytest.raises(KeyError):
     q.remove_many(bad)
   assert q.entries() == before and all(r._qentry is not None for r in pick)
+  assert q.demand == sum(range(25)) and all(r.queued_demand == r.req_id for r in pick)
   q.remove_many(pick)
   assert q.entries() == [e for e in before if e[2] not in pick] and all(r._qentry is None for r in pick)
+  assert q.demand == sum(range(25)) - sum(r.req_id for r in pick)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -749,9 +764,9 @@ def test_sorted_queue_batch_ops_equal_one_by_one(seed):
   reqs_b = [Request(i, 1, 1, 0.0) for i in range(30)]
   keys = [(rng.choice([0.0, 1.0, 2.0, rng.random()]),) for _ in range(30)]
   qa, qb = SortedQueue(), SortedQueue()
-  qa.push_many(reqs_a, keys)
-  for r, k in zip(reqs_b, keys):
-    qb.push(r, k)
+  qa.push_many(reqs_a, keys, [i % 4 for i in range(30)])
+  for i, (r, k) in enumerate(zip(reqs_b, keys)):
+    qb.push(r, k, i % 4)
   ids = lambda q: [(e[0], e[1], e[2].req_id) for e in q.entries()]
   assert ids(qa) == ids(qb)
   # independent reference: ascending key, equal keys in push order
@@ -764,6 +779,7 @@ def test_sorted_queue_batch_ops_equal_one_by_one(seed):
   for i in pick:
     qb.remove(reqs_b[i])
   assert ids(qa) == ids(qb) and all(reqs_a[i]._qentry is None for i in pick)
+  assert qa.demand == qb.demand == sum(e[2].req_id % 4 for e in qa.entries())
   with pytest.raises(KeyError):
     qa.remove_many([reqs_a[pick[0]]])  # no longer queued
   # A second batch with ascending keys: from the tail on (push_many's one-extend path) or starting below it.
@@ -771,9 +787,9 @@ def test_sorted_queue_batch_ops_equal_one_by_one(seed):
   more_b = [Request(100 + i, 1, 1, 0.0) for i in range(10)]
   base = rng.choice([0.5, 2.0, 3.0])
   keys2 = sorted((base + rng.choice([0.0, 0.25]),) for _ in range(10))
-  qa.push_many(more_a, keys2)
+  qa.push_many(more_a, keys2, [2] * 10)
   for r, k in zip(more_b, keys2):
-    qb.push(r, k)
+    qb.push(r, k, 2)
   assert ids(qa) == ids(qb)
   assert all(r._qentry is e for r, e in zip(more_a, [e for e in qa.entries() if e[2].req_id >= 100]))
 

@@ -1,7 +1,7 @@
 """The scheduler's fast paths decide exactly as straightforward reference implementations do.
 
 The rotation policies run Algorithm 1 through batched, incremental code: ``running_needs()`` kept by
-``_finalize``, the LVF merge comparing un-ReLU'd lags, ``prioritize`` reading blocks from the queues' demand
+``StepBuilder.finalize``, the LVF merge comparing un-ReLU'd lags, ``prioritize`` reading blocks from the queues' demand
 and checking its stopping rules where their inputs change, victims rotated out and candidates rotated in
 through batched block-manager calls. Each reference below subclasses the policy and replaces those parts by
 the plain definitions: a full scan of the running requests, every candidate sorted by ``(-VLT, -x)``
@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from superinfer_jax.sched import policies as P
 from superinfer_jax.sched import replay
 from superinfer_jax.sched.request import RequestState
+from superinfer_jax.util import cdiv
 
 ROTARY = RequestState.ROTARY
 
@@ -25,26 +26,26 @@ class ReferenceMixin:
   """Algorithm 1's steps written plainly (see the module docstring)."""
   uses_running_needs = False  # running_needs() scans every running request
 
-  def prioritize(self, sched, now, b_hbm, tokens):
-    cfg = sched.config
-    bs = sched.bm.block_size
+  def prioritize(self, step, b_hbm, tokens):
+    cfg = step.config
+    now = step.now
     bx = cfg.proactive_swap_budget
     b_used = in_blocks = scanned = skips = 0
     R = []
     b_all = b_hbm + bx
-    for r in self.candidates(sched, now):
+    for r in self.candidates(step):
       scanned += 1
       if (scanned > cfg.lvf_scan_limit or skips >= cfg.lvf_max_skips or tokens <= 0
           or len(R) >= cfg.max_num_seqs or b_used >= b_all):
         break
-      if r._touched_step == sched.step_id or r.inflight_samples:
+      if r.touched_step == step.step_id or r.inflight_samples:
         continue
-      blk = sched.blocks_for(r.planned_tokens)
+      blk = cdiv(r.planned_tokens, step.bm.block_size)
       if b_used + blk > (b_all if self.urgent(r, now) else b_hbm):
         skips += 1
         continue
       if r.state is ROTARY:
-        nin = sched.bm.blocks_to_swap_in(r.req_id)
+        nin = step.bm.blocks_to_swap_in(r.req_id)
         if not (in_blocks + nin <= bx or in_blocks == 0):
           skips += 1
           continue
@@ -57,27 +58,28 @@ class ReferenceMixin:
       b_used += blk
     return R, b_used
 
-  def execute(self, sched, victims, R):
-    bx = sched.config.proactive_swap_budget
+  def execute(self, step, victims, R):
+    bx = step.config.proactive_swap_budget
     for v in victims:
-      if not sched.rotate_out(v) and sched.config.proactive_recompute:
-        sched.preempt(v)
-    sched.schedule_running(self.reactive_mode, swap_cap=bx)
+      if not step.rotate_out(v) and step.config.proactive_recompute:
+        step.preempt(v)
+    step.schedule_running(self.reactive_mode, swap_cap=bx)
     for r in R:
-      if sched.budget_left() <= 0 or sched.seats_left() <= 0:
+      if step.budget_left() <= 0 or step.seats_left() <= 0:
         break
       if r.state is ROTARY:
-        sched.swap_in(r, bx)
+        step.swap_in(r, bx)
       else:
-        sched.admit_waiting(r)
+        step.admit_waiting(r)
 
 
 class ReferenceRotaSched(ReferenceMixin, P.RotaSched):
-  def candidates(self, sched, now):
+  def candidates(self, step):
     """Every waiting and rotary request by (-VLT, -x), x = the lag before the ReLU (queue key based)."""
-    alpha = sched.config.alpha
+    alpha = step.config.alpha
+    now = step.now
     ranked = []
-    for flag, queue, scale in ((0, sched.waiting, 1.0), (1, sched.rotary, alpha)):
+    for flag, queue, scale in ((0, step.waiting, 1.0), (1, step.rotary, alpha)):
       for i, (key, _, r) in enumerate(queue.entries()):
         x = now - key[0] if flag == 0 else scale * (now - key[0])
         ranked.append(((-max(x, 0.0), -x, flag, i), r))

@@ -45,7 +45,8 @@ class PendingQueues:
   def enqueue_rotary_many(self, rs) -> None:
     """Queues the ROTARY requests ``rs`` in order, keyed by the policy (one call per step's victims)."""
     bs = self._block_size
-    self.rotary.push_many(rs, self._policy.rotary_keys(rs, self._config), [cdiv(r.planned_tokens, bs) for r in rs])
+    demands = [(r.prompt_len + r.num_generated + r.inflight_samples + bs - 1) // bs for r in rs]  # cdiv, inline
+    self.rotary.push_many(rs, self._policy.rotary_keys(rs, self._config), demands)
 
   def dequeue(self, r: Request) -> None:
     """Removes a queued request from its queue (``KeyError`` if it is not queued)."""

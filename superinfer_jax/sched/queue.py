@@ -15,9 +15,13 @@ from typing import Iterator
 from superinfer_jax.sched.request import Request
 
 
+_DEMAND = operator.attrgetter("queued_demand")
+
+
 class SortedQueue:
   """Requests sorted by a key fixed at push time (ascending = head). O(log n) search + memmove updates.
-  ``demand``: the sum of the queued requests' demands (blocks), kept on every push and removal."""
+  ``demand``: the sum of the queued requests' demands (blocks), kept on every push and removal; a request's
+  ``queued_demand`` is set when it is pushed and left as it was when it is removed."""
 
   def __init__(self):
     self._items: list = []
@@ -30,11 +34,7 @@ class SortedQueue:
   def push_many(self, rs, keys, demands) -> None:
     """Queues each ``r`` of ``rs`` under the matching key of ``keys`` with the matching device-block demand
     of ``demands``, in order; equal keys keep push order."""
-    total = 0
-    for r, d in zip(rs, demands):
-      r.queued_demand = d
-      total += d
-    self.demand += total
+    self.demand += sum(demands)
     items = self._items
     seq = self._seq
     n = len(keys)
@@ -43,11 +43,13 @@ class SortedQueue:
       # every push is an append (what the loop below does): one extend, entries built in C.
       entries = list(zip(keys, range(seq + 1, seq + n + 1), rs))
       items += entries
-      for r, entry in zip(rs, entries):
+      for r, entry, d in zip(rs, entries, demands):
         r._qentry = entry
+        r.queued_demand = d
       self._seq = seq + n
       return
-    for r, key in zip(rs, keys):
+    for r, key, d in zip(rs, keys, demands):
+      r.queued_demand = d
       seq += 1
       entry = (key, seq, r)
       # Fast path: keys are mostly times that only grow (arrivals, last-token times), so most pushes append
@@ -85,11 +87,7 @@ class SortedQueue:
           r._qentry = e
         raise KeyError("remove_many: some requests are not in this queue")
       items[:] = kept
-    demand = 0
-    for r in rs:
-      demand += r.queued_demand
-      r.queued_demand = 0
-    self.demand -= demand
+    self.demand -= sum(map(_DEMAND, rs))
 
   def remove(self, r: Request) -> None:
     entry = r._qentry
@@ -103,7 +101,6 @@ class SortedQueue:
       del items[i]
     r._qentry = None
     self.demand -= r.queued_demand
-    r.queued_demand = 0
 
   def __len__(self) -> int:
     return len(self._items)

@@ -84,8 +84,8 @@ class Request:
     self.num_rotations = 0
     self.tbt_max = 0.0
     self._qentry = None  # its entry in a scheduler queue (written by sched/queue.py only)
-    # Device blocks it counts for in its queue's demand while queued (blocks_for(planned_tokens); 0 when not
-    # queued; written by sched/queue.py only).
+    # Device blocks it counts for in its queue's demand (blocks_for(planned_tokens)); meaningful only while it
+    # is queued; written by sched/queue.py only.
     self.queued_demand = 0
     self.touched_step = -1  # the last step that moved it between states (-1: none yet)
     self.admit_step = 0  # the step it last entered RUNNING (residency)
@@ -232,18 +232,21 @@ def rotate_in_all(rs, step: int, now: float, block_size: int, count_needs: bool)
   return need_blk, need_tok
 
 
-def record_scheduled(reqs: dict, seqs, block_size: int, count_needs: bool) -> tuple[int, int, int]:
-  """A step computes ``seqs`` (``ScheduledSeq``s of RUNNING requests in ``reqs``, by id): each request's
-  computed tokens advance by its chunk, and a chunk that ends at its known tokens samples one token (in
-  flight until ``token_done``). Returns ``(tokens, need_blocks, need_tokens)``: the chunks' tokens, and with
-  ``count_needs`` the blocks and tokens those requests need the step after (``running_needs``'s terms),
-  else zeros."""
+def record_scheduled(reqs: dict, seqs, block_size: int, count_needs: bool, on_computed) -> tuple[int, int, int]:
+  """A dispatched step computes ``seqs`` (``ScheduledSeq``s of RUNNING requests in ``reqs``, by id), in order:
+  ``on_computed(req_id, num_computed_tokens)`` is told each request's new computed count (the block
+  manager's ``mark_computed``), its computed tokens advance by its chunk, and a chunk that ends at its known
+  tokens samples one token (in flight until ``token_done``). Returns ``(tokens, need_blocks, need_tokens)``:
+  the chunks' tokens, and with ``count_needs`` the blocks and tokens those requests need the step after
+  (``running_needs``'s terms), else zeros."""
   total = need_tok = need_blk = 0
   bs = block_size
   for seq in seqs:
-    r = reqs[seq.req_id]
+    rid = seq.req_id
+    r = reqs[rid]
     n = seq.num_new_tokens
     new = seq.num_computed_tokens + n
+    on_computed(rid, new)
     r.num_computed_tokens = new
     total += n
     if seq.sample:
@@ -255,5 +258,5 @@ def record_scheduled(reqs: dict, seqs, block_size: int, count_needs: bool) -> tu
     elif count_needs:  # a prefill chunk short of the known tokens
       rem = r.prompt_len + r.num_generated + r.inflight_samples - new
       need_tok += rem
-      need_blk += (new + rem + bs - 1) // bs - (new + bs - 1) // bs
+      need_blk += (new + rem + bs - 1) // bs - (new + bs - 1) // bs  # cdiv(new + rem) - cdiv(new), inline
   return total, need_blk, need_tok

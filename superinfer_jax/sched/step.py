@@ -414,9 +414,7 @@ class StepBuilder:
     # values) are marked with one block-manager call each; the other seqs one by one. Both in plan order.
     for start, rids, _ in (*self._swapins, (len(scheduled), None, None)):
       seqs = scheduled[pos:start] if pos or start < len(scheduled) else scheduled
-      for seq in seqs:
-        mark(seq.req_id, seq.num_computed_tokens + seq.num_new_tokens)
-      tok, blk, ntok = record_scheduled(reqs, seqs, bs, count)
+      tok, blk, ntok = record_scheduled(reqs, seqs, bs, count, mark)
       total += tok
       need_blk += blk
       need_tok += ntok
