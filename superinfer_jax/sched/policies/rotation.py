@@ -18,11 +18,8 @@ class RotationPolicy(Policy):
   reactive_mode = "swap"
   uses_running_needs = True
 
-  def waiting_key(self, r, config):
-    return (r.arrival_time,)
-
   def preempted_key(self, r, config):
-    return self.waiting_key(r, config)
+    return self.waiting_key(r, config)  # a recompute-preempted request is ranked as a waiting one
 
   def urgent(self, r: Request, now: float) -> bool:
     return True  # VLT >= 0 holds for every waiting / rotary request (ReLU)
