@@ -14,14 +14,12 @@
   * ``swap_in``: H2D ``(host, device)`` pairs of requests rotated in this step.
     The three copy lists are ``PairList``s (``kv/pairs.py``): they read like lists of 2-tuples; fast
     consumers use the ``srcs`` / ``dsts`` columns. The scheduler extends them column-wise.
-    Ordering contract (kv/block_manager.py): gather every D2H source (swap_out + writeback) from the cache of
-    the last dispatched step before scattering any H2D block; device blocks freed by a swap-out may be the
-    swap-in or append targets of the same step.
+    The engine executes them under the ordering contract stated in ``kv/block_manager.py``.
   * ``rotated_out``, ``rotated_in``, ``preempted`` (recompute), ``admitted`` (from WAITING/PREEMPTED):
     request-id lists (finishes come back from ``on_step_done``). ``round_trips``: requests
     rotated out and back in within this step (only ``rotasched_code``, as the reference fork does); each is
-    in both ``rotated_out`` and ``rotated_in``, and its host blocks are both D2H destinations and H2D
-    sources, so the engine issues this step's D2H copies before its H2D copies. ``residency_steps``: the
+    in both ``rotated_out`` and ``rotated_in`` (the ordering contract's one exception, clause 3).
+    ``residency_steps``: the
     steps the requests in ``rotated_out`` had each stayed RUNNING, summed (mean residency = its running sum
     over rotations out).
   * Counters: ``num_rotations`` (= len(rotated_out) + len(rotated_in)), ``blocks_out`` (= len(swap_out)),
