@@ -125,4 +125,18 @@ def format_claims(claims: Sequence[dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
-__all__ = ["CONTENTION", "OPS", "check_claims", "format_claims", "format_summary", "summarize_points"]
+def claims_markdown(figure: str, workload: str, claims: Sequence[dict[str, Any]]) -> str:
+  """The claims of one figure run as the markdown table of ``docs/results/simulator.md``: one row per claim,
+  ``| figure | workload | claim | holds on | ratio mean [min, max] |`` (holds on: "**yes** k/n" when the
+  claim holds on every seed, else "no k/n"; the ratio over the seeds that have one)."""
+  lines = ["| figure | workload | claim | holds on | ratio mean [min, max] |", "|---|---|---|---|---|"]
+  for c in claims:
+    rs = [q for q in c["ratios"].values() if q is not None]
+    spread = f"{sum(rs) / len(rs):.3g} [{min(rs):.3g}, {max(rs):.3g}]" if rs else "no ratio"
+    verdict = f"{'**yes**' if c['holds'] else 'no'} {len(c['holds_on'])}/{len(c['seeds'])}"
+    lines.append(f"| {figure} | {workload} | {c['text']} | {verdict} | {spread} |")
+  return "\n".join(lines)
+
+
+__all__ = ["CONTENTION", "OPS", "check_claims", "claims_markdown", "format_claims", "format_summary",
+           "summarize_points"]
