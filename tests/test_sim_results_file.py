@@ -17,7 +17,7 @@ text after
 
 
 def test_replace_block_rewrites_only_its_block(tmp_path):
-  p = tmp_path / "r.md"
+  p = tmp_path / "results.table.md"
   p.write_text(DOC)
   replace_block(str(p), "headline-splitwise", "| new | table |\n|---|---|")
   assert p.read_text() == DOC.replace("| old | table |", "| new | table |\n|---|---|")
@@ -29,7 +29,7 @@ def test_replace_block_rewrites_only_its_block(tmp_path):
 
 
 def test_replace_block_refuses_broken_markers(tmp_path):
-  p = tmp_path / "r.md"
+  p = tmp_path / "results.table.md"
   p.write_text("<!-- results:a -->\nx\n")
   with pytest.raises(ValueError, match="unpaired"):
     replace_block(str(p), "a", "y")
