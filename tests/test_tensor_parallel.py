@@ -327,7 +327,7 @@ def _cuda_lowering(tp) -> dict:
   from jax.sharding import NamedSharding
 
   from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-  from superinfer_jax.engine import runner as engine_lib
+  from superinfer_jax.engine import model_runner as engine_lib
   from superinfer_jax.engine import packing
   from superinfer_jax.model.config import ModelConfig
   from superinfer_jax.model.params import param_shapes

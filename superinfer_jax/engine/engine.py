@@ -1,8 +1,8 @@
 """``LLMEngine``: the in-process serving engine, assembled from its parts.
 
-* ``engine/runner.py`` — ``ModelRunner``, the device side: weights, KV cache, compiled steps, KV transfers.
-* ``engine/core.py`` — ``RequestBook``: admission checks, per-request state, stop checks, outputs.
-* ``engine/loop.py`` — ``StepLoop``: the zero-bubble / pipelined / sync step loop over scheduler and runner.
+* ``engine/model_runner.py`` — ``ModelRunner``, the device side: weights, KV cache, compiled steps, KV transfers.
+* ``engine/request_book.py`` — ``RequestBook``: admission checks, per-request state, stop checks, outputs.
+* ``engine/step_loop.py`` — ``StepLoop``: the zero-bubble / pipelined / sync step loop over scheduler and runner.
 * ``engine/stats.py`` — ``EngineStats``, the counters.
 
 ``LLMEngine(model, config)`` loads a model and builds a ``JaxModelRunner`` for it;
@@ -19,9 +19,9 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from superinfer_jax.engine.config import FINISH_ABORT, CompletionOutput, EngineConfig, RequestOutput, SamplingParams
-from superinfer_jax.engine.core import ModelLimits, PromptType, RequestBook, RequestError
+from superinfer_jax.engine.request_book import ModelLimits, PromptType, RequestBook, RequestError
 from superinfer_jax.engine.host_batch import SeqInput
-from superinfer_jax.engine.loop import StepLoop
+from superinfer_jax.engine.step_loop import StepLoop
 from superinfer_jax.engine.stats import EngineStats
 from superinfer_jax.kv.block_manager import BlockManager
 from superinfer_jax.kv.layout import BLOCK_FIRST
@@ -87,7 +87,7 @@ class LLMEngine:
 
   def __init__(self, model: Any, config: Optional[EngineConfig] = None, clock: Any = None,
                tokenizer: Any = None, scheduler_factory: Any = None, idle_probe: Any = None):
-    from superinfer_jax.engine.runner import JaxModelRunner  # pylint: disable=import-outside-toplevel
+    from superinfer_jax.engine.model_runner import JaxModelRunner  # pylint: disable=import-outside-toplevel
     from superinfer_jax.parallel.tensor_parallel import make_tensor_parallel  # pylint: disable=import-outside-toplevel
     config = config or EngineConfig()
     if config.rotation.kv_layout != BLOCK_FIRST:
@@ -104,7 +104,7 @@ class LLMEngine:
   @classmethod
   def with_runner(cls, runner, config: Optional[EngineConfig] = None, clock: Any = None, tokenizer: Any = None,
                   scheduler_factory: Any = None) -> "LLMEngine":
-    """The engine core over any ``ModelRunner`` (``engine/runner.py``): its ``model_config`` gives the
+    """The engine core over any ``ModelRunner`` (``engine/model_runner.py``): its ``model_config`` gives the
     vocabulary, context and eos ids, its pool sizes the block manager's."""
     self = cls.__new__(cls)
     self.tp = None
@@ -218,7 +218,7 @@ class LLMEngine:
 
   # ----------------------------------------------------------------------------------------- stepping
   def step(self) -> list[RequestOutput]:
-    """Runs one step of the loop (``engine/loop.py``) and returns the new outputs: one ``RequestOutput``
+    """Runs one step of the loop (``engine/step_loop.py``) and returns the new outputs: one ``RequestOutput``
     per request that gained tokens, changed state or finished."""
     self.loop.step()
     return self.book.outputs()

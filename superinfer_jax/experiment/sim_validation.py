@@ -2,7 +2,7 @@
 
 ``scripts/simulate.py --validate`` (same flags as ``scripts/run_experiment.py``, plus the simulator's):
 
-1. Runs ``experiment.runner.run_sweep`` (the real sweep, unchanged) into ``<output_dir>/real``, with every
+1. Runs ``experiment.real_sweep.run_sweep`` (the real sweep, unchanged) into ``<output_dir>/real``, with every
    timed run's ``LLMEngine`` handed to a ``StepRecorder`` through ``run_sweep``'s ``on_engine`` hook: each
    ``on_step_done`` of its scheduler stamps the plan's time, the completion time and the batch the plan
    formed (public attributes only).
@@ -200,7 +200,7 @@ def run_real(spec, engine_config, *, model_tuple=None) -> list[dict[str, Any]]:
   """Step 1: the real sweep into ``<output_dir>/real`` (``output_dir`` fresh), its steps saved as
   ``<output_dir>/steps-<policy>-rep<k>.json`` (``steps_path``). ``model_tuple`` = (cfg, params, tokenizer)
   is handed to ``run_sweep`` (random weights; None: it loads ``spec.model``). Returns the real rows."""
-  from superinfer_jax.experiment.runner import fresh_output_dir, run_sweep  # pylint: disable=import-outside-toplevel
+  from superinfer_jax.experiment.real_sweep import fresh_output_dir, run_sweep  # pylint: disable=import-outside-toplevel
   out = spec.output_dir
   fresh_output_dir(out)
   recorder = StepRecorder()
@@ -221,7 +221,7 @@ def compare(spec, engine_config, sim_config, *, command: str, log: Callable[[str
   from superinfer_jax.metrics.results import read_results  # pylint: disable=import-outside-toplevel
   from superinfer_jax.sim.profiles import load_hardware_profile, resolve_profile_path  # pylint: disable=import-outside-toplevel
   from superinfer_jax.sim.config import profile_name  # pylint: disable=import-outside-toplevel
-  from superinfer_jax.sim.runner import model_profile, run_sim_sweep  # pylint: disable=import-outside-toplevel
+  from superinfer_jax.sim.sim_sweep import model_profile, run_sim_sweep  # pylint: disable=import-outside-toplevel
   out = spec.output_dir
   real_rows = read_results(os.path.join(out, "real", "results.jsonl"))
   hardware = profile_name(spec.hardware)

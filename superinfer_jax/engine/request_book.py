@@ -4,7 +4,7 @@
 model and the device pool (``RequestError`` names what is wrong, and nothing changes), appends sampled tokens
 and decides when a request stops (eos unless ``ignore_eos``, stop token ids, stop strings, ``max_tokens``, the
 context length), and turns what changed since the last call into ``RequestOutput``s. It never touches the
-device and never calls the scheduler except to queue an admitted request; the step loop (``engine/loop.py``)
+device and never calls the scheduler except to queue an admitted request; the step loop (``engine/step_loop.py``)
 drives it. Host-side only; no JAX.
 """
 from __future__ import annotations

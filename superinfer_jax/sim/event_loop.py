@@ -16,7 +16,7 @@ copies are done, so only the part of the copies that exceeds the step in flight 
 is empty (first step, or a plan whose batch was dropped entirely) the iteration plans without lookahead and
 dispatches, and the copies of that plan are fully exposed. A plan whose batch is empty is completed at once,
 as the engine does; the host then spends ``cost.empty_step_s``. When no request is live the clock jumps to
-the next arrival. Arrivals are added before each iteration (``experiment/replay.py`` adds them between
+the next arrival. Arrivals are added before each iteration (``experiment/workload_replay.py`` adds them between
 ``engine.step()`` calls) with their scheduled time as the arrival time.
 
 The cost model is any object with ``step_time(seqs) -> s`` (the dispatched ``ScheduledSeq``s),
@@ -367,7 +367,7 @@ def simulate(requests: Sequence[Any], engine_config, cost, *, progress: bool = F
   ``num_device_blocks`` and ``num_host_blocks`` not None) on a fresh ``VirtualClock``, ``engine_config.
   pipeline`` as the engine's, driven by ``Simulator``. ``cost`` as in the module docstring."""
   if engine_config.num_device_blocks is None or engine_config.num_host_blocks is None:
-    raise ValueError("simulate: num_device_blocks and num_host_blocks must be resolved (sim.runner sizes them "
+    raise ValueError("simulate: num_device_blocks and num_host_blocks must be resolved (sim.sim_sweep sizes them "
                      "from the hardware profile)")
   clock = VirtualClock()
   bm = BlockManager(engine_config.num_device_blocks, engine_config.num_host_blocks, engine_config.block_size)

@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 from superinfer_jax.engine.config import FINISH_ABORT
 from superinfer_jax.engine import logit_processing
-from superinfer_jax.engine.core import RequestBook
+from superinfer_jax.engine.request_book import RequestBook
 from superinfer_jax.engine.host_batch import HostBatch, SeqInput
 from superinfer_jax.engine.sampling import sampling_mode
 from superinfer_jax.engine.stats import EngineStats
@@ -44,7 +44,7 @@ _STATES = (("rotated_out", "rotary"), ("preempted", "preempted"), ("rotated_in",
 
 
 @dataclasses.dataclass
-class InFlight:
+class DispatchedStep:
   """A dispatched model step whose sampled ids are not read yet."""
   plan: Any
   tokens: Any                            # the runner's handle of its sampled ids
@@ -57,7 +57,7 @@ class InFlight:
 class StepLoop:
   """Drives ``scheduler``, ``book`` and ``runner`` one step at a time (module docstring).
 
-  ``on_read`` (optional) is called with each ``InFlight`` once its ids are read and processed (the engine
+  ``on_read`` (optional) is called with each ``DispatchedStep`` once its ids are read and processed (the engine
   releases requests through it). ``idle_probe``: an ``engine.idle_probe.DeviceIdleProbe`` or None.
   """
 
@@ -71,7 +71,7 @@ class StepLoop:
     self.host_batch = HostBatch(config.block_size, token_floor=config.token_bucket_floor,
                                 seq_floor=config.seq_bucket_floor, blocks_floor=config.blocks_bucket_floor)
     self.idle_probe = None
-    self.inflight: Optional[InFlight] = None
+    self.inflight: Optional[DispatchedStep] = None
     self.on_read = None
     self._empty_steps = 0
 
@@ -180,7 +180,7 @@ class StepLoop:
     self.runner.issue_transfers(swap_out, writeback, swap_in, round_trip=bool(plan.round_trips))
     st.issue_time_s += time.perf_counter() - t
 
-  def _dispatch(self, plan, prev: Optional[InFlight] = None) -> Optional[InFlight]:
+  def _dispatch(self, plan, prev: Optional[DispatchedStep] = None) -> Optional[DispatchedStep]:
     """Builds the inputs of ``plan`` (skipping finished requests) and dispatches the step. ``prev``: the step
     in flight whose ids the host has not read (zero-bubble); a request it samples has one more token than the
     host knows, fed from ``prev.tokens`` on the device."""
@@ -204,7 +204,7 @@ class StepLoop:
     st.tokens_scheduled += num_tokens
     st.dispatch_time_s += time.perf_counter() - t0
     st.dispatch_cpu_time_s += time.thread_time() - c0
-    return InFlight(plan=plan, tokens=tokens, rows=rows, scheduled=[q.key for q in seqs], probe_step=probe_step)
+    return DispatchedStep(plan=plan, tokens=tokens, rows=rows, scheduled=[q.key for q in seqs], probe_step=probe_step)
 
   def _logit_extras(self, rows: dict[str, int], num_rows: int):
     """The step's logit-processing buffer (None when no sampling row processes logits) and its logprobs
@@ -253,7 +253,7 @@ class StepLoop:
                            r.sampling if sample else None, num_out + (feed_row >= 0)))
     return seqs, rows, num_tokens
 
-  def _complete(self, inflight: InFlight) -> float:
+  def _complete(self, inflight: DispatchedStep) -> float:
     """Reads back a step's sampled ids, runs stop checks, tells the scheduler. Returns seconds waited."""
     t = time.perf_counter()
     tokens, logprobs = self.runner.read_step(inflight.tokens)
