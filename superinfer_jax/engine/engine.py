@@ -145,6 +145,9 @@ class LLMEngine:
                        doc="The scheduler (``SchedulerProtocol``), for inspection: only the step loop calls it.")
   stats = property(lambda self: self.loop.stats, lambda self, stats: setattr(self.loop, "stats", stats),
                    doc="The ``EngineStats`` counters (assign a fresh one to restart them).")
+  step_observer = property(lambda self: self.loop.step_observer,
+                           lambda self, fn: setattr(self.loop, "step_observer", fn),
+                           doc="Called with ``(plan, now)`` as each plan's step completes (``StepLoop``), or None.")
   idle_probe = property(lambda self: self.loop.idle_probe,
                         lambda self, probe: setattr(self.loop, "idle_probe", probe),
                         doc="The ``DeviceIdleProbe`` told of every dispatch and read-back, or None.")

@@ -69,7 +69,9 @@ class StepLoop:
   ``scheduler``.
 
   ``on_read`` (optional) is called with each ``DispatchedStep`` once its ids are read and processed (the engine
-  releases requests through it). ``idle_probe``: an ``engine.idle_probe.DeviceIdleProbe`` or None.
+  releases requests through it). ``step_observer`` (optional) is called with ``(plan, now)`` for every plan,
+  run or empty, right before the scheduler is told it is done (``experiment/sim_validation.py`` records the
+  steps through it). ``idle_probe``: an ``engine.idle_probe.DeviceIdleProbe`` or None.
   """
 
   def __init__(self, config, scheduler, book: RequestBook, runner, stats: EngineStats, clock):
@@ -84,6 +86,7 @@ class StepLoop:
     self.idle_probe = None
     self.inflight: Optional[DispatchedStep] = None
     self.on_read = None
+    self.step_observer = None
     self._empty_steps = 0
 
   # ------------------------------------------------------------------------------------------ lifecycle
@@ -327,7 +330,10 @@ class StepLoop:
     (``finished``), and finishes in the book every request it reports finished: with the engine's reason
     where there is one (a token that is both a stop and the last allowed one is a "stop"), else the
     scheduler's ("length")."""
-    done = self.scheduler.on_step_done(plan, new_tokens, finished, self.clock.now() if now is None else now)
+    now = self.clock.now() if now is None else now
+    if self.step_observer is not None:
+      self.step_observer(plan, now)
+    done = self.scheduler.on_step_done(plan, new_tokens, finished, now)
     self.scheduler.pop_finished()  # the engine keeps its own results: the scheduler must not hoard them
     for rid, reason in {**done, **finished}.items():
       r = self.book.reqs.get(rid)

@@ -121,8 +121,7 @@ class _SimRun:
     self.step_times: list[float] = []
     self.occupancy: list[float] = []
     self.kv_demand: list[float] = []
-    self.bm = getattr(self.sched, "bm", None)
-    self.pool = self.bm.num_device_blocks if self.bm is not None else 0
+    self.pool = self.sched.stats().device_blocks
     self.nxt, self.link_free, self.last_token, self.idle = 0, self.t0, self.t0, 0
 
   def arrivals(self, now: float) -> None:
@@ -176,14 +175,16 @@ class _SimRun:
     return self._plan_copies(plan)
 
   def _record_pool(self) -> None:
-    """Appends the device pool's occupancy and KV demand (shares of the pool) after a plan, counting a
-    KV-contended step where demand exceeds the pool; nothing without a block manager."""
+    """Appends the device pool's occupancy and KV demand (shares of the pool) after a plan, read from the
+    scheduler's ``stats()``, counting a KV-contended step where demand exceeds the pool; nothing with an
+    empty pool."""
     pool = self.pool
     if pool:
-      used = pool - self.bm.num_free_device_blocks
+      st = self.sched.stats()
+      used = pool - st.free_device_blocks
       self.occupancy.append(used / pool)
-      self.kv_demand.append((used + self.sched.demand_blocks) / pool)
-      if used + self.sched.demand_blocks > pool:
+      self.kv_demand.append((used + st.demand_blocks) / pool)
+      if used + st.demand_blocks > pool:
         self.c["kv_contended_steps"] += 1
 
   def _plan_copies(self, plan) -> float:
