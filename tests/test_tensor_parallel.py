@@ -249,7 +249,7 @@ def _child(out_dir: str) -> None:
   import jax
 
   from superinfer_jax.model import load_model, score
-  from superinfer_jax.model.testing import save_tiny_hf_model
+  from support.tiny_models import save_tiny_hf_model
   from superinfer_jax.parallel import sharding as sh
   from superinfer_jax.parallel.tensor_parallel import make_tensor_parallel
   from superinfer_jax.rotation import DuplexKV
