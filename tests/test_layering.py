@@ -88,3 +88,17 @@ def test_the_check_sees_an_upward_arrow(tmp_path):
                "from superinfer_jax import experiment\n")
   assert sorted(m for _, m in _targets(str(p))) == ["superinfer_jax.engine", "superinfer_jax.experiment",
                                                  "superinfer_jax.sim.event_loop"]
+
+
+def test_the_check_sees_a_forbidden_arrow_within_a_tier():
+  assert ("sim", "experiment") in FORBIDDEN and TIER["sim"] == TIER["experiment"]
+
+
+def test_only_the_step_loop_calls_the_scheduler():
+  """One owner of the request lifecycle: in ``engine/``, only ``step_loop.py`` calls a scheduler method."""
+  import re
+  calls = re.compile(r"\bscheduler\.(add_request|abort|schedule|on_step_done|pop_finished|has_unfinished|stats|"
+                     r"check_invariants)\(")
+  bad = [rel for rel in _files(os.path.join("superinfer_jax", "engine"))
+         if not rel.endswith("step_loop.py") and calls.search(open(os.path.join(ROOT, rel)).read())]
+  assert not bad, bad

@@ -3,12 +3,12 @@ for each step's duration, the same per-request timelines as the real engine's re
 
 Nothing here decides anything: every plan comes from ``Scheduler.schedule`` and every finish from
 ``Scheduler.on_step_done`` (lengths only: ``new_tokens=None``), called in the order ``LLMEngine`` calls them
-(``engine/engine.py``), and this module only adds up time.
+(``engine/step_loop.py``, the engine's one caller of the scheduler), and this module only adds up time.
 
 Time. The clock is the host's: plans are made, and state changes stamped, at its reading; a step's tokens
 are stamped when the step ends (the engine stamps them at read-back). With ``pipeline`` off, one iteration
 is ``schedule()`` -> copies (``X`` s) -> model step (``C`` s) -> ``on_step_done`` at ``t + X + C``. With
-``pipeline`` on, one iteration is one ``LLMEngine._step_pipelined`` call: with step k in flight (dispatched,
+``pipeline`` on, one iteration is one ``StepLoop._step_pipelined`` call: with step k in flight (dispatched,
 ending at ``end_k``), plan k+1 with ``schedule(lookahead=True)`` at the host's time and start its copies
 (on a link that is busy until the previous copies finish), advance to ``end_k``, ``on_step_done(k)``, drop
 the requests that finished at k from plan k+1's batch, and dispatch k+1: it starts when both step k and its
