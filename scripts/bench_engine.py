@@ -81,7 +81,7 @@ def bench_engine(engine, batch, prompt_len, max_tokens, warm_up=True):
   from superinfer_jax.engine.config import SamplingParams  # pylint: disable=import-outside-toplevel
   from superinfer_jax.engine.engine import EngineStats  # pylint: disable=import-outside-toplevel
   from superinfer_jax.engine.idle_probe import DeviceIdleProbe  # pylint: disable=import-outside-toplevel
-  from superinfer_jax.experiment.replay import loadavg_1m  # pylint: disable=import-outside-toplevel
+  from superinfer_jax.experiment.workload_replay import loadavg_1m  # pylint: disable=import-outside-toplevel
   sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
   prompts = _prompts(batch, prompt_len, engine.model_config.vocab_size)
   if warm_up:
@@ -185,7 +185,7 @@ def bench_torch(model, batch, prompt_len, max_tokens, vocab, threads, warm_up=Tr
   decode, how = total - t_one, "subtracted"
   if decode <= 0:
     decode, how = total * (max_tokens - 1) / max_tokens, "whole_run"
-  from superinfer_jax.experiment.replay import loadavg_1m  # pylint: disable=import-outside-toplevel
+  from superinfer_jax.experiment.workload_replay import loadavg_1m  # pylint: disable=import-outside-toplevel
   return {"impl": "transformers", "batch": batch, "torch_threads": threads, "prompt_len": prompt_len,
           "max_tokens": max_tokens, "decode_tok_s": batch * (max_tokens - 1) / decode,
           "decode_step_ms": 1e3 * decode / (max_tokens - 1), "total_tok_s": batch * max_tokens / total,

@@ -37,7 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from superinfer_jax import configtree  # noqa: E402
-from superinfer_jax.experiment.runner import SweepSpec  # noqa: E402
+from superinfer_jax.experiment.real_sweep import SweepSpec  # noqa: E402
 from superinfer_jax.sched.config import SchedulerConfig  # noqa: E402
 
 flags.DEFINE_string("base_url", "http://127.0.0.1:8000/v1", "the endpoint's OpenAI base URL")

@@ -4,9 +4,9 @@ Used by ``scripts/run_experiment.py --simulate`` (``configs/experiments/gpu.flag
 it drives both the real-run harness (``experiment``) and the simulator (``sim``), which sit at the same layer.
 
 ``real_vs_sim(spec, engine_config, ...)`` into ``spec.output_dir``:
-  1. the real sweep, every step recorded (``sim.validation.run_real``: ``real/``, ``steps-*.json``); with
+  1. the real sweep, every step recorded (``experiment.sim_validation.run_real``: ``real/``, ``steps-*.json``); with
      ``--calibrate`` its load and SLOs come from the measured step time (``real/config.json``);
-  2. the simulator at that same load, SLOs, pools and requests (``sim.validation.compare``): each run's step
+  2. the simulator at that same load, SLOs, pools and requests (``experiment.sim_validation.compare``): each run's step
      cost fitted to that run's own steps on this machine and engine build (``sim-<policy>-rep<k>/``), and every
      policy again with the profile as given (``sim-calibrated/``);
   3. ``real_vs_sim.table.md`` / ``real_vs_sim.json``: per policy, real next to simulated (fitted; the profile's run in
@@ -32,9 +32,9 @@ from typing import Any, Callable, Optional
 
 from superinfer_jax.metrics import occupancy as occ
 from superinfer_jax.metrics.timeline import read_timelines, requests_filename
-from superinfer_jax.sim import validation
+from superinfer_jax.experiment import sim_validation as validation
 from superinfer_jax.sim.config import SimConfig
-from superinfer_jax.sim.runner import STANDIN_TOKENIZER
+from superinfer_jax.sim.sim_sweep import STANDIN_TOKENIZER
 
 # (row key, column title, scale, format): what the table puts side by side.
 COLUMNS = (("slo_attainment", "SLO %", 100.0, "{:.1f}"), ("ttft_p99_s", "P99 TTFT ms", 1e3, "{:.0f}"),

@@ -13,7 +13,7 @@ and the engine runs random weights of its shape in ``--dtype`` (prompts: ``real_
 in it and write the real-vs-simulated table and plots (``scripts/real_vs_sim.py``; results then go under
 ``<output_dir>/real``).
 
-Every flag is generated from a config field: the sweep's (``experiment.runner.SweepSpec``) and the engine's
+Every flag is generated from a config field: the sweep's (``experiment.real_sweep.SweepSpec``) and the engine's
 one config tree (``engine.config.EngineConfig``: scheduler, rotation and model settings), shared with
 scripts/generate.py. ``--helpfull`` lists them all.
 """
@@ -31,7 +31,7 @@ from superinfer_jax import configtree  # noqa: E402
 from superinfer_jax.engine.config import define_engine_flags, engine_config_from_flags  # noqa: E402
 from superinfer_jax.parallel.distributed import (define_distributed_flags, initialize_from_flags,  # noqa: E402
                                                  is_primary)
-from superinfer_jax.experiment.runner import SweepSpec, apply_variant, finish_report, run_sweep  # noqa: E402
+from superinfer_jax.experiment.real_sweep import SweepSpec, apply_variant, finish_report, run_sweep  # noqa: E402
 from superinfer_jax.sched.policies import POLICIES  # noqa: E402
 
 configtree.define_flags(SweepSpec)

@@ -36,7 +36,7 @@ from superinfer_jax.sched.policies import POLICIES  # noqa: E402
 from superinfer_jax.sim.config import SimConfig  # noqa: E402
 from superinfer_jax.sim.figures import (DEFAULT_WORKLOAD, figure_names, get_figure, part_configs,  # noqa: E402
                                        run_figure, workload_names)
-from superinfer_jax.sim.runner import (read_sim_trace, report, resolve_run, run_sim_sweep,  # noqa: E402
+from superinfer_jax.sim.sim_sweep import (read_sim_trace, report, resolve_run, run_sim_sweep,  # noqa: E402
                                       validate_variants)
 
 configtree.define_flags(SimConfig)
@@ -48,7 +48,7 @@ flags.DEFINE_enum("figure", None, figure_names(),
 flags.DEFINE_bool("validate", False,
                   "run the REAL sweep of these flags (run_experiment.py's, into <output_dir>/real), fit the step "
                   "cost to each real run's own step times, simulate each run with its fit and with --hardware, and "
-                  "print real vs sim P50 / P99 TTFT and TBT (sim/validation.py); needs --nocalibrate")
+                  "print real vs sim P50 / P99 TTFT and TBT (experiment/sim_validation.py); needs --nocalibrate")
 flags.DEFINE_bool("validate_reuse", False,
                   "with --validate: reuse the real runs and step records already in --output_dir (redo only the "
                   "fits and the simulations)")
@@ -94,7 +94,7 @@ def main(argv):
   if FLAGS.validate:
     if spec.calibrate:
       sys.exit("simulate: --validate needs --nocalibrate (give --rps, --ttft_slo, --tbt_slo)")
-    from superinfer_jax.sim import validation  # pylint: disable=import-outside-toplevel
+    from superinfer_jax.experiment import sim_validation as validation  # pylint: disable=import-outside-toplevel
     command = " ".join(["python scripts/simulate.py"] + [shlex.quote(a) for a in sys.argv[1:]])
     run = validation.compare if FLAGS.validate_reuse else validation.validate
     print(run(spec, config, sim_config, command=command).table)

@@ -1,8 +1,8 @@
 """The sweep both harnesses share: ``SweepSpec`` (model, workload recipe, policies, variants, loads), the
 variant helpers, the output directory and the closing report.
 
-Host-side only (no JAX, no engine): ``experiment.runner`` (the real engine) and ``sim.runner`` (the
-simulator) both build on it, and ``experiment.runner`` re-exports every name for code that imports it there.
+Host-side only (no JAX, no engine): ``experiment.real_sweep`` (the real engine) and ``sim.sim_sweep`` (the
+simulator) both build on it, and ``experiment.real_sweep`` re-exports every name for code that imports it there.
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ def sharegpt_file():
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
   """A random-weight tiny Llama saved as an HF dir (safetensors + config), for script tests."""
-  from superinfer_jax.model.testing import save_tiny_hf_model
+  from support.tiny_models import save_tiny_hf_model
   path = str(tmp_path_factory.mktemp("tiny_llama"))
   save_tiny_hf_model(path, "llama", max_position_embeddings=512)
   return path

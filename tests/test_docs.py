@@ -5,7 +5,7 @@ import os
 import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCES = [p for pattern in ("superinfer_jax/**/*.py", "pallas_kernels/**/*.py", "scripts/*", "tests/*.py",
+SOURCES = [p for pattern in ("superinfer_jax/**/*.py", "pallas_kernels/**/*.py", "scripts/*", "tests/**/*.py",
                              "configs/**/*.flags", "*.md", "docs/*.md", "Makefile", ".ci/run")
            for p in glob.glob(os.path.join(ROOT, pattern), recursive=True) if os.path.isfile(p)]
 DOC_REF = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[A-Za-z][\w-]*\.md)\b")

@@ -79,3 +79,56 @@ def test_a_runner_that_loses_copies_is_caught():
   except AssertionError:   # the fake saw a read of a slot never written
     return
   assert [o.token_ids for o in outs] != [_reference(p, n) for p, n in zip(prompts, lens)]
+
+
+def _engine_with(model_config, **settings):
+  cfg = EngineConfig.create(**dict(dict(num_device_blocks=32, num_host_blocks=0, block_size=4, max_num_seqs=4,
+                                        max_num_batched_tokens=32, policy="fcfs"), **settings))
+  clock = VirtualClock()
+  runner = FakeRunner(num_device_blocks=cfg.num_device_blocks, num_host_blocks=cfg.num_host_blocks,
+                      block_size=cfg.block_size, out_rows=bucket(cfg.scheduler.max_num_seqs, cfg.seq_bucket_floor),
+                      model_config=model_config, clock=clock)
+  return LLMEngine.with_runner(runner, cfg, clock=clock)
+
+
+@pytest.mark.parametrize("loop", [dict(), dict(zero_bubble=False), dict(pipeline=False)])
+def test_finish_reasons_and_their_precedence(loop):
+  """The length stop is the scheduler's (``on_step_done`` returns "length" at ``max_tokens``, the context cap
+  folded in at admission); the engine's stops (eos, stop ids) are the book's. A token that is both a stop and
+  the last allowed one finishes with "stop" (vLLM's order), as before the length stop moved to the scheduler."""
+  prompt = [5, 6, 7]
+  ref = _reference(prompt, 6)
+  last = ref[3]
+  assert last not in ref[:3]
+  other = [5, 9, 11]
+  other_ref = _reference(other, 8)
+  cases = [  # (model config, prompt, params, expected tokens, expected reason)
+      (FakeModelConfig(vocab_size=V), prompt, SamplingParams(max_tokens=4, ignore_eos=True), ref[:4], "length"),
+      (FakeModelConfig(vocab_size=V), prompt, SamplingParams(max_tokens=4, stop_token_ids=[last]), ref[:4],
+       "stop"),
+      (FakeModelConfig(vocab_size=V, eos_token_ids=(last,)), prompt, SamplingParams(max_tokens=4), ref[:4],
+       "stop"),
+      (FakeModelConfig(vocab_size=V, eos_token_ids=(last,)), prompt, SamplingParams(max_tokens=4,
+                                                                                   ignore_eos=True),
+       ref[:4], "length"),
+      (FakeModelConfig(vocab_size=V, eos_token_ids=(last,)), prompt, SamplingParams(max_tokens=6), ref[:4],
+       "stop"),
+      # The context caps the request: 3 + 5 = 8 tokens of context, so 5 outputs, a length stop.
+      (FakeModelConfig(vocab_size=V, max_position_embeddings=8), prompt,
+       SamplingParams(max_tokens=6, ignore_eos=True), ref[:5], "length"),
+  ]
+  for mcfg, p, sp, want, reason in cases:
+    eng = _engine_with(mcfg, **loop)
+    # A second request keeps the pipeline busy past the first one's finish (zero-bubble discards its token).
+    rid = eng.add_request(p, sp)
+    oid = eng.add_request(other, SamplingParams(max_tokens=8, ignore_eos=True))
+    finals = {}
+    for out in eng.stream():
+      if out.finished:
+        assert out.request_id not in finals
+        finals[out.request_id] = out.finish_reason
+    res = eng.get_request(rid)
+    assert (res.token_ids, res.finish_reason, finals[rid]) == (want, reason, reason), (mcfg, sp)
+    assert eng.get_request(oid).token_ids == other_ref[:min(8, mcfg.max_position_embeddings - len(other))]
+    eng.check_invariants()
+    assert eng.scheduler_stats().free_device_blocks == eng.num_device_blocks

@@ -12,7 +12,7 @@ import pytest
 
 from superinfer_jax.engine.config import EngineConfig, SamplingParams
 from superinfer_jax.engine.engine import LLMEngine
-from superinfer_jax.model.testing import save_tiny_hf_model, torch_greedy
+from support.tiny_models import save_tiny_hf_model, torch_greedy
 from test_engine_utils import TickClock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,7 +1,8 @@
 """Test doubles and helpers for the engine tests: a tiny random model and a minimal FCFS scheduler.
 
 ``FakeScheduler`` implements ``sched.protocol.SchedulerProtocol`` (``add_request``, ``abort``,
-``schedule(lookahead)``, ``on_step_done``, ``pop_finished``, ``has_unfinished``; plans are ``StepPlan``s)
+``schedule(lookahead)``, ``on_step_done`` (the length stop decided there), ``pop_finished``,
+``has_unfinished``; plans are ``StepPlan``s)
 with FCFS admission, chunked prefill and recompute preemption only — no rotation. It lets the engine loop
 be tested independently of ``superinfer_jax.sched.Scheduler``.
 """
@@ -47,9 +48,10 @@ def random_params(cfg, seed=0, scale=0.5):
 
 
 class _R:
-  def __init__(self, request_id, prompt_len):
+  def __init__(self, request_id, prompt_len, max_tokens):
     self.id = request_id
     self.num_tokens = prompt_len   # known tokens (prompt + generated)
+    self.max_total = prompt_len + max_tokens
     self.num_computed = 0
     self.pending = False           # a sampled token is in flight
 
@@ -69,7 +71,7 @@ class FakeScheduler:
     self.num_preempted = 0
 
   def add_request(self, req):
-    r = _R(req.req_id, req.prompt_len)
+    r = _R(req.req_id, req.prompt_len, req.max_tokens)
     self.reqs[r.id] = r
     self.waiting.append(r)
 
@@ -140,17 +142,25 @@ class FakeScheduler:
     return bool(self.reqs)
 
   def on_step_done(self, plan, new_tokens, finished, now):
+    """Returns ``{req_id: reason}``: "length" at ``max_tokens`` (decided here), else the engine's reason."""
+    done = {}
     for rid, _ in new_tokens.items():
       r = self.reqs.get(rid)
       if r is not None:
         r.num_tokens += 1
-    for rid in finished:
+        if r.num_tokens >= r.max_total:
+          done[rid] = "length"
+    for rid, reason in finished.items():
+      if rid in self.reqs:
+        done.setdefault(rid, reason)
+    for rid in done:
       self.abort(rid)
     # A request whose token arrived is no longer pending unless the plan it is in (lookahead) expects more.
     for rid in new_tokens:
       r = self.reqs.get(rid)
       if r is not None:
         r.pending = r.num_computed >= r.num_tokens
+    return done
 
 
 class TickClock:

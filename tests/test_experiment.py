@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from superinfer_jax.experiment.runner import parse_float_list
+from superinfer_jax.experiment.real_sweep import parse_float_list
 from superinfer_jax.metrics.results import RESULTS_KEYS, read_results, validate_results_row
 from superinfer_jax.metrics.timeline import read_timelines, requests_filename
 
@@ -71,7 +71,7 @@ def test_run_sweep_hands_each_timed_engine_to_on_engine(tiny_model_dir, tmp_path
   """``on_engine`` sees every timed run's engine once, in run order (repeats interleaved ABBA), and not the
   warm-up's; each engine runs the policy its label names."""
   from superinfer_jax.engine.config import EngineConfig
-  from superinfer_jax.experiment.runner import SweepSpec, run_sweep
+  from superinfer_jax.experiment.real_sweep import SweepSpec, run_sweep
   spec = SweepSpec(model=tiny_model_dir, dataset="synthetic", num_requests=3, rps="inf",
                    policies="fcfs,rotasched", repeats=2, synthetic_prompt_len="uniform:8,12",
                    synthetic_output_len="uniform:3,4", output_dir=str(tmp_path / "exp"), progress=False)
@@ -90,7 +90,7 @@ def test_run_sweep_freezes_the_heap_before_its_engines(tiny_model_dir, tmp_path)
   import gc
   import weakref
   from superinfer_jax.engine.config import EngineConfig
-  from superinfer_jax.experiment.runner import SweepSpec, run_sweep
+  from superinfer_jax.experiment.real_sweep import SweepSpec, run_sweep
   spec = SweepSpec(model=tiny_model_dir, dataset="synthetic", num_requests=3, rps="inf", policies="fcfs,rotasched",
                    synthetic_prompt_len="uniform:8,12", synthetic_output_len="uniform:3,4",
                    output_dir=str(tmp_path / "exp"), progress=False)

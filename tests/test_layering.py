@@ -2,7 +2,9 @@
 
 Tiers, bottom up: the shared machinery (util, assets, configtree); the concept packages (metrics, kv, sched,
 model, rotation, workload, and the shared sweep spec); parallel; engine; the harnesses (experiment, serving,
-sim); the generated settings table, which reads every config. ``pallas_kernels`` depends on nothing of the
+sim); the generated settings table, which reads every config. Within a tier some arrows are forbidden too
+(``FORBIDDEN``): the simulator imports neither the engine nor the other harnesses (the one module that runs
+both, the simulator-vs-engine validation, lives in ``experiment``). ``pallas_kernels`` depends on nothing of the
 library above its shared machinery, and no library module imports ``scripts``. Imports inside functions count
 too: a deferred import is still an arrow.
 """
@@ -21,6 +23,9 @@ TIERS = (
     ("settings_table",),
 )
 TIER = {name: i for i, names in enumerate(TIERS) for name in names}
+# (importer, imported) pairs that the tiers allow but the design does not.
+FORBIDDEN = {("sim", "engine"), ("sim", "experiment"), ("sim", "serving"), ("serving", "experiment"),
+             ("serving", "sim")}
 
 
 def _targets(path: str) -> list[tuple[int, str]]:
@@ -64,9 +69,9 @@ def test_no_upward_import(rel):
       bad.append((line, mod))
     elif mod.startswith("superinfer_jax."):
       dst = mod.split(".")[1]
-      if dst in TIER and TIER[dst] > TIER[src]:
+      if dst in TIER and (TIER[dst] > TIER[src] or (src, dst) in FORBIDDEN):
         bad.append((line, mod))
-  assert not bad, f"{rel} (tier {TIER[src]}, {src}) imports upward: {bad}"
+  assert not bad, f"{rel} (tier {TIER[src]}, {src}) imports upward or across a forbidden arrow: {bad}"
 
 
 @pytest.mark.parametrize("rel", _files("pallas_kernels"))
@@ -79,7 +84,21 @@ def test_kernels_use_only_the_shared_machinery(rel):
 def test_the_check_sees_an_upward_arrow(tmp_path):
   """The parser finds deferred imports (inside a function) and both import forms."""
   p = tmp_path / "m.py"
-  p.write_text("def f():\n  from superinfer_jax.engine import core\n  import superinfer_jax.sim.loop\n"
+  p.write_text("def f():\n  from superinfer_jax.engine import core\n  import superinfer_jax.sim.event_loop\n"
                "from superinfer_jax import experiment\n")
   assert sorted(m for _, m in _targets(str(p))) == ["superinfer_jax.engine", "superinfer_jax.experiment",
-                                                 "superinfer_jax.sim.loop"]
+                                                 "superinfer_jax.sim.event_loop"]
+
+
+def test_the_check_sees_a_forbidden_arrow_within_a_tier():
+  assert ("sim", "experiment") in FORBIDDEN and TIER["sim"] == TIER["experiment"]
+
+
+def test_only_the_step_loop_calls_the_scheduler():
+  """One owner of the request lifecycle: in ``engine/``, only ``step_loop.py`` calls a scheduler method."""
+  import re
+  calls = re.compile(r"\bscheduler\.(add_request|abort|schedule|on_step_done|pop_finished|has_unfinished|stats|"
+                     r"check_invariants)\(")
+  bad = [rel for rel in _files(os.path.join("superinfer_jax", "engine"))
+         if not rel.endswith("step_loop.py") and calls.search(open(os.path.join(ROOT, rel)).read())]
+  assert not bad, bad

@@ -11,7 +11,7 @@ import pytest
 from superinfer_jax.model import load_model, score
 from superinfer_jax.model import moe as moe_mod
 from superinfer_jax.model.params import param_shapes
-from superinfer_jax.model.testing import save_tiny_hf_model, torch_logits
+from support.tiny_models import save_tiny_hf_model, torch_logits
 
 TOL = 1e-4
 BS = 8
@@ -171,7 +171,7 @@ def test_grouped_moe_flops_grow_with_top_k_not_with_experts():
 @pytest.mark.parametrize("q8", [False, True], ids=["f32", "q8_0"])
 def test_mixtral_gguf_with_merged_experts_matches_transformers(tiny_mixtral, tmp_path, q8):
   """llama.cpp's layout: architecture llama + expert_count, router ffn_gate_inp, merged ffn_*_exps."""
-  from superinfer_jax.model.testing import write_gguf_from_hf_model
+  from support.tiny_models import write_gguf_from_hf_model
   model, cfg, params, _ = tiny_mixtral
   path = str(tmp_path / "mixtral.gguf")
   write_gguf_from_hf_model(path, model, quantize_q8=q8)

@@ -11,7 +11,7 @@ from superinfer_jax.model import (ConfigError, UnsupportedModelError, WeightLoad
 from superinfer_jax.model.forward import forward
 from superinfer_jax.model.batch import build_batch
 from superinfer_jax.model.loaders.orbax_io import save_orbax
-from superinfer_jax.model.testing import save_tiny_hf_model, write_gguf_from_hf_model
+from support.tiny_models import save_tiny_hf_model, write_gguf_from_hf_model
 
 
 @pytest.fixture(scope="module")

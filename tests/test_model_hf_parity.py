@@ -5,7 +5,7 @@ import pytest
 
 from superinfer_jax.model import build_batch, forward, init_kv_cache, load_model, score, step
 from superinfer_jax.model.batch import bucket
-from superinfer_jax.model.testing import save_tiny_hf_model, torch_logits
+from support.tiny_models import save_tiny_hf_model, torch_logits
 
 TOL = 1e-4
 BS = 8  # block size: prompts below cross several block boundaries

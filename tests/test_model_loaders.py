@@ -9,7 +9,7 @@ import pytest
 
 from superinfer_jax.model import load_model, score
 from superinfer_jax.model.loaders.gguf_loader import unpermute_qk_rows
-from superinfer_jax.model.testing import (llama_cpp_permute, save_tiny_hf_model, torch_logits,
+from support.tiny_models import (llama_cpp_permute, save_tiny_hf_model, torch_logits,
                                           write_gguf_from_hf_model)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

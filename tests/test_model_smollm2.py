@@ -76,7 +76,7 @@ def test_greedy_32_tokens_identical_to_transformers(ours, theirs):
 def test_score_close_to_transformers(ours, theirs):
   cfg, params, tok = ours
   model, _ = theirs
-  from superinfer_jax.model.testing import torch_logits
+  from support.tiny_models import torch_logits
   ids = tok.encode(PROMPTS[0] + " Paris, and the capital of Germany is Berlin.")
   got = score(params, cfg, ids, chunk_size=16)
   ref = torch_logits(model, ids)

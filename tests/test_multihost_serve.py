@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from superinfer_jax.engine.config import SamplingParams
-from superinfer_jax.serving.testing import FakeEngine
+from support.fake_engine import FakeEngine
 from superinfer_jax.parallel.events import (AbortEvent, AddEvent, EventBatch, EventChannel, bucket_size,
                                             decode_batch, encode_batch)
 
@@ -247,7 +247,7 @@ def _env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
   from test_engine_utils import word_tokenizer
-  from superinfer_jax.model.testing import save_tiny_hf_model
+  from support.tiny_models import save_tiny_hf_model
   from superinfer_jax.model.tokenizer import Tokenizer, save_tokenizer
   d = str(tmp_path_factory.mktemp("tiny_llama_mh_serve"))
   save_tiny_hf_model(d, "llama", max_position_embeddings=256, vocab_size=VOCAB, bos_token_id=VOCAB - 2,

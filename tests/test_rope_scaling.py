@@ -5,7 +5,7 @@ import pytest
 
 from superinfer_jax.model import ModelConfig, UnsupportedModelError, greedy_generate, load_model, score
 from superinfer_jax.model.forward import rope_inv_freq
-from superinfer_jax.model.testing import save_tiny_hf_model, torch_greedy, torch_logits
+from support.tiny_models import save_tiny_hf_model, torch_greedy, torch_logits
 
 TOL = 1e-4
 BS = 8

@@ -17,7 +17,7 @@ from superinfer_jax.serving.request_parsing import parse_json_body, parse_reques
 from superinfer_jax.serving.app import build_app  # noqa: E402
 from superinfer_jax.serving.chat import FALLBACK_TEMPLATE, render_chat  # noqa: E402
 from superinfer_jax.serving.metrics import parse_metrics  # noqa: E402
-from superinfer_jax.serving.testing import FakeEngine  # noqa: E402
+from support.fake_engine import FakeEngine  # noqa: E402
 
 
 def test_parse_request_defaults_and_errors():
@@ -179,7 +179,7 @@ def test_real_engine_recovers_from_a_failed_step(tmp_path):
   pytest.importorskip("transformers")
   from superinfer_jax.engine.config import EngineConfig
   from superinfer_jax.engine.engine import LLMEngine
-  from superinfer_jax.model.testing import save_tiny_hf_model
+  from support.tiny_models import save_tiny_hf_model
   save_tiny_hf_model(str(tmp_path), "llama", max_position_embeddings=128)
   cfg = EngineConfig.create(num_device_blocks=16, num_host_blocks=16, block_size=8, max_num_batched_tokens=32,
                             token_bucket_floor=32, seq_bucket_floor=4, blocks_bucket_floor=8)

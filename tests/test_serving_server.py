@@ -33,7 +33,7 @@ POOL_TOKENS = 40 * 16   # --num_device_blocks x --block_size: the context the se
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-  from superinfer_jax.model.testing import save_tiny_hf_model
+  from support.tiny_models import save_tiny_hf_model
   from superinfer_jax.model.tokenizer import Tokenizer, save_tokenizer
   d = str(tmp_path_factory.mktemp("tiny_llama_serve"))
   save_tiny_hf_model(d, "llama", max_position_embeddings=MODEL_POSITIONS, vocab_size=VOCAB, bos_token_id=VOCAB - 2,

@@ -14,7 +14,7 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from superinfer_jax.serving.app import build_app  # noqa: E402
-from superinfer_jax.serving.testing import FakeEngine  # noqa: E402
+from support.fake_engine import FakeEngine  # noqa: E402
 
 STEP_S = 0.05
 

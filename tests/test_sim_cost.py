@@ -274,7 +274,7 @@ def test_padded_shape_by_hand_and_matches_the_engines_buckets():
 def test_pad_to_buckets_profile_charges_the_bucket(tmp_path):
   """On the cpu profile (compute-bound, padded) a 9-token step costs what a 16-token one does, and about
   1.6x an 8-token one (2x its compute; the fixed overhead aside); the same steps unpadded cost about the same as each other."""
-  from superinfer_jax.sim.loop import RooflineCost
+  from superinfer_jax.sim.event_loop import RooflineCost
   cpu = P.load_hardware_profile("cpu")
   assert cpu.pad_to_buckets and not P.load_hardware_profile("h200").pad_to_buckets
   cfg = load_config("smollm2-135m")

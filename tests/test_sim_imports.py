@@ -3,9 +3,8 @@
 Allowed: the scheduler, the block manager and KV layout, workloads, metrics, the shared sweep spec
 (``superinfer_jax.sweep``), the config machinery, and the host-side descriptions the cost model reads (a model's
 shape in ``model.config``, its tokenizer for token counts, the transfer-mode names in ``rotation.config``).
-Not allowed: JAX, the real-run harness (``experiment``), the engine, the model's forward pass, serving.
-``validation.py`` (runs the real sweep next to the simulator) reaches the engine on purpose, inside its functions
-only; the package never imports it. ``calibration.py`` is the profile format and fits only (the measurement is
+Not allowed: JAX, the real-run harness (``experiment``), the engine, the model's forward pass, serving, with no
+exemption (the comparison with the real engine is ``experiment/sim_validation.py``). ``calibration.py`` is the profile format and fits only (the measurement is
 ``experiment/calibrate.py``), so it follows the rule with no exemption.
 """
 import ast
@@ -23,7 +22,6 @@ ALLOWED = ("superinfer_jax.sim", "superinfer_jax.sched", "superinfer_jax.kv", "s
            "superinfer_jax.model.config_hf", "superinfer_jax.model.config_gguf", "superinfer_jax.model.memory",
            "superinfer_jax.model.paths",
            "superinfer_jax.model.tokenizer", "superinfer_jax.rotation.config")
-REAL_ENGINE_MODULES = ("validation.py",)   # reaches the engine inside functions, on purpose
 
 
 def _allowed(name: str) -> bool:
@@ -48,32 +46,17 @@ def _imports(path: str) -> list[tuple[int, str]]:
 def test_sim_modules_import_only_host_side_modules(name):
   path = os.path.join(SIM, name)
   bad = [(ln, m) for ln, m in _imports(path) if not _allowed(m)]
-  if name in REAL_ENGINE_MODULES:
-    tree = ast.parse(open(path).read())
-    top = {(n.lineno, m) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
-           for ln, m in _imports_of_node(n)}
-    assert not [b for b in bad if b in top], f"{name}: module-level imports of {bad}"
-  else:
-    assert not bad, f"sim/{name} imports {bad}"
-
-
-def _imports_of_node(node) -> list[tuple[int, str]]:
-  if isinstance(node, ast.Import):
-    return [(node.lineno, a.name) for a in node.names]
-  if node.module == "superinfer_jax":
-    return [(node.lineno, f"superinfer_jax.{a.name}") for a in node.names]
-  return [(node.lineno, node.module or "")]
+  assert not bad, f"sim/{name} imports {bad}"
 
 
 def test_importing_the_simulator_loads_no_jax_and_no_real_harness():
   code = ("import sys\n"
-          "import superinfer_jax.sim, superinfer_jax.sim.runner, superinfer_jax.sim.figures, "
-          "superinfer_jax.sim.validation\n"
+          "import superinfer_jax.sim, superinfer_jax.sim.sim_sweep, superinfer_jax.sim.figures\n"
           "print('\\n'.join(sorted(m for m in sys.modules if m.startswith(('superinfer_jax', 'jax')))))\n")
   env = dict(os.environ, PYTHONPATH=ROOT)
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
                        check=True).stdout.split()
-  assert "superinfer_jax.sim.runner" in out
+  assert "superinfer_jax.sim.sim_sweep" in out
   assert not [m for m in out if m == "jax" or m.startswith("jax.")]
   loaded = [m for m in out if m.startswith("superinfer_jax.")]
   bad = [m for m in loaded if not _allowed(m) and m not in ("superinfer_jax.model", "superinfer_jax.rotation")]
@@ -82,9 +65,9 @@ def test_importing_the_simulator_loads_no_jax_and_no_real_harness():
 
 def test_the_checker_catches_a_forbidden_import(tmp_path):
   p = tmp_path / "x.py"
-  p.write_text("from superinfer_jax.experiment.runner import SweepSpec\n"
+  p.write_text("from superinfer_jax.experiment.real_sweep import SweepSpec\n"
                "def f():\n  from superinfer_jax.engine import config\n"
                "from superinfer_jax import configtree\n")
   mods = sorted(m for _, m in _imports(str(p)))
-  assert mods == ["superinfer_jax.configtree", "superinfer_jax.engine", "superinfer_jax.experiment.runner"]
-  assert [m for m in mods if not _allowed(m)] == ["superinfer_jax.engine", "superinfer_jax.experiment.runner"]
+  assert mods == ["superinfer_jax.configtree", "superinfer_jax.engine", "superinfer_jax.experiment.real_sweep"]
+  assert [m for m in mods if not _allowed(m)] == ["superinfer_jax.engine", "superinfer_jax.experiment.real_sweep"]

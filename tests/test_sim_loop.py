@@ -7,7 +7,7 @@ from superinfer_jax.kv.block_manager import BlockManager
 from superinfer_jax.model.config import load_config
 from superinfer_jax.sched import Request, Scheduler, VirtualClock
 from superinfer_jax.sim import cost as cost_lib
-from superinfer_jax.sim.loop import RooflineCost, Simulator, derived_counters, simulate
+from superinfer_jax.sim.event_loop import RooflineCost, Simulator, derived_counters, simulate
 from superinfer_jax.sim.profiles import load_hardware_profile
 from superinfer_jax.workload import make_workload
 from superinfer_jax.workload.types import RequestSpec
@@ -238,7 +238,7 @@ def test_pool_occupancy_and_kv_demand_per_plan():
 
 
 def test_contention_summary():
-  from superinfer_jax.sim.runner import contention_summary
+  from superinfer_jax.sim.sim_sweep import contention_summary
   s = contention_summary([0.1 * i for i in range(101)], [1.0] * 101)
   assert s["pool_occupancy_p50"] == pytest.approx(5.0) and s["pool_occupancy_p99"] == pytest.approx(9.9)
   assert s["kv_demand_p99"] == 1.0

@@ -83,10 +83,10 @@ def test_sim_imports_no_jax(tmp_path):
       import sys
       sys.modules["jax"] = None          # any 'import jax' now raises ImportError
       sys.path.insert(0, {ROOT!r})
-      import superinfer_jax.sim, superinfer_jax.sim.runner
+      import superinfer_jax.sim, superinfer_jax.sim.sim_sweep
       from superinfer_jax.sim.config import SimConfig
-      from superinfer_jax.sim.runner import run_sim_sweep
-      from superinfer_jax.experiment.runner import SweepSpec
+      from superinfer_jax.sim.sim_sweep import run_sim_sweep
+      from superinfer_jax.experiment.real_sweep import SweepSpec
       from superinfer_jax.engine.config import EngineConfig
       spec = SweepSpec(model="llama-3-8b", dataset="synthetic", num_requests=8, rps="50",
                        policies="fcfs,rotasched", output_dir={str(tmp_path / "nojax")!r}, progress=False,

@@ -1,11 +1,11 @@
-"""sim/validation.py: which real steps count for the in-run fit (hand-worked), the refitted profile, the
+"""experiment/sim_validation.py: which real steps count for the in-run fit (hand-worked), the refitted profile, the
 comparison table, and the recorder on a real (tiny) engine."""
 import json
 
 import pytest
 
 from superinfer_jax.sim import calibration as cal
-from superinfer_jax.sim import validation as v
+from superinfer_jax.experiment import sim_validation as v
 from superinfer_jax.sim.cost import ModelProfile, step_time
 from superinfer_jax.sim.profiles import load_hardware_profile, profile_from_dict, resolve_profile_path
 from superinfer_jax.model.config import load_config

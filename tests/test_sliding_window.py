@@ -14,7 +14,7 @@ from pallas_kernels.ragged_paged_attention import paged_decode_attention, ragged
 from pallas_kernels.reference import ragged_paged_attention_reference
 from pallas_kernels.testing import make_ragged_batch
 from superinfer_jax.model import load_model, score
-from superinfer_jax.model.testing import save_tiny_hf_model, torch_logits
+from support.tiny_models import save_tiny_hf_model, torch_logits
 from test_pallas_ragged_attention import H_BS, H_MB, H_S, H_T, _compositions
 
 from pallas_kernels.testing import tolerance  # noqa: E402

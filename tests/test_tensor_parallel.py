@@ -249,7 +249,7 @@ def _child(out_dir: str) -> None:
   import jax
 
   from superinfer_jax.model import load_model, score
-  from superinfer_jax.model.testing import save_tiny_hf_model
+  from support.tiny_models import save_tiny_hf_model
   from superinfer_jax.parallel import sharding as sh
   from superinfer_jax.parallel.tensor_parallel import make_tensor_parallel
   from superinfer_jax.rotation import DuplexKV
@@ -327,7 +327,7 @@ def _cuda_lowering(tp) -> dict:
   from jax.sharding import NamedSharding
 
   from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-  from superinfer_jax.engine import runner as engine_lib
+  from superinfer_jax.engine import model_runner as engine_lib
   from superinfer_jax.engine import packing
   from superinfer_jax.model.config import ModelConfig
   from superinfer_jax.model.params import param_shapes

@@ -14,8 +14,8 @@ from superinfer_jax.engine.config import (FINISH_ABORT, FINISH_ERROR, FINISH_LEN
                                           SamplingParams, TokenLogprobs, define_engine_flags,
                                           engine_config_from_flags)
 
-_LAZY = {"LLMEngine": "engine", "EngineStats": "stats", "RequestError": "core", "ModelRunner": "runner",
-         "JaxModelRunner": "runner",
+_LAZY = {"LLMEngine": "engine", "EngineStats": "stats", "RequestError": "request_book", "ModelRunner": "model_runner",
+         "JaxModelRunner": "model_runner",
          "IncrementalDetokenizer": "detokenizer", "sample": "sampling", "SamplingArrays": "sampling"}
 
 

@@ -1,8 +1,9 @@
 """``LLMEngine``: the in-process serving engine, assembled from its parts.
 
-* ``engine/runner.py`` — ``ModelRunner``, the device side: weights, KV cache, compiled steps, KV transfers.
-* ``engine/core.py`` — ``RequestBook``: admission checks, per-request state, stop checks, outputs.
-* ``engine/loop.py`` — ``StepLoop``: the zero-bubble / pipelined / sync step loop over scheduler and runner.
+* ``engine/model_runner.py`` — ``ModelRunner``, the device side: weights, KV cache, compiled steps, KV transfers.
+* ``engine/request_book.py`` — ``RequestBook``: admission checks, per-request state, engine stop checks, outputs.
+* ``engine/step_loop.py`` — ``StepLoop``: the zero-bubble / pipelined / sync step loop over scheduler and runner,
+  and the only caller of the scheduler (admission, abort, steps, finishes, stats).
 * ``engine/stats.py`` — ``EngineStats``, the counters.
 
 ``LLMEngine(model, config)`` loads a model and builds a ``JaxModelRunner`` for it;
@@ -18,16 +19,16 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from superinfer_jax.engine.config import FINISH_ABORT, CompletionOutput, EngineConfig, RequestOutput, SamplingParams
-from superinfer_jax.engine.core import ModelLimits, PromptType, RequestBook, RequestError
+from superinfer_jax.engine.config import CompletionOutput, EngineConfig, RequestOutput, SamplingParams
+from superinfer_jax.engine.request_book import ModelLimits, PromptType, RequestBook, RequestError
 from superinfer_jax.engine.host_batch import SeqInput
-from superinfer_jax.engine.loop import StepLoop
+from superinfer_jax.engine.step_loop import StepLoop
 from superinfer_jax.engine.stats import EngineStats
 from superinfer_jax.kv.block_manager import BlockManager
 from superinfer_jax.kv.layout import BLOCK_FIRST
 from superinfer_jax.model.batch import bucket
 from superinfer_jax.sched import Scheduler, WallClock
-from superinfer_jax.sched.protocol import SchedulerProtocol
+from superinfer_jax.sched.protocol import SchedulerProtocol, SchedulerStats
 
 __all__ = ["EngineStats", "LLMEngine", "RequestError"]
 
@@ -87,7 +88,7 @@ class LLMEngine:
 
   def __init__(self, model: Any, config: Optional[EngineConfig] = None, clock: Any = None,
                tokenizer: Any = None, scheduler_factory: Any = None, idle_probe: Any = None):
-    from superinfer_jax.engine.runner import JaxModelRunner  # pylint: disable=import-outside-toplevel
+    from superinfer_jax.engine.model_runner import JaxModelRunner  # pylint: disable=import-outside-toplevel
     from superinfer_jax.parallel.tensor_parallel import make_tensor_parallel  # pylint: disable=import-outside-toplevel
     config = config or EngineConfig()
     if config.rotation.kv_layout != BLOCK_FIRST:
@@ -104,7 +105,7 @@ class LLMEngine:
   @classmethod
   def with_runner(cls, runner, config: Optional[EngineConfig] = None, clock: Any = None, tokenizer: Any = None,
                   scheduler_factory: Any = None) -> "LLMEngine":
-    """The engine core over any ``ModelRunner`` (``engine/runner.py``): its ``model_config`` gives the
+    """The engine core over any ``ModelRunner`` (``engine/model_runner.py``): its ``model_config`` gives the
     vocabulary, context and eos ids, its pool sizes the block manager's."""
     self = cls.__new__(cls)
     self.tp = None
@@ -122,15 +123,15 @@ class LLMEngine:
     self.replica = distributed.replicated_schedule(self.clock)   # multi-process: shared clock, plan digest
     if self.replica is not None:
       self.clock = self.replica
-    self.block_manager = BlockManager(runner.num_device_blocks, runner.num_host_blocks, config.block_size)
-    self.scheduler: SchedulerProtocol = (scheduler_factory or Scheduler)(
-        config.scheduler, self.block_manager, self.clock)
+    self.block_manager = BlockManager(runner.num_device_blocks, runner.num_host_blocks, config.block_size)  # tests inspect it
+    scheduler: SchedulerProtocol = (scheduler_factory or Scheduler)(config.scheduler, self.block_manager,
+                                                                    self.clock)
     if self.replica is not None:
-      self.scheduler = self.replica.wrap(self.scheduler)
+      scheduler = self.replica.wrap(scheduler)
     limits = ModelLimits(cfg.vocab_size, self.max_model_len, self.eos_token_ids, runner.num_device_blocks,
                          config.block_size)
-    self.book = RequestBook(limits, tokenizer, self.scheduler, self.clock, config.seed)
-    self.loop = StepLoop(config, self.scheduler, self.book, runner, EngineStats(), self.clock)
+    self.book = RequestBook(limits, tokenizer, self.clock, config.seed)
+    self.loop = StepLoop(config, scheduler, self.book, runner, EngineStats(), self.clock)
     self.loop.idle_probe = idle_probe
     self.loop.on_read = self._release_deferred
     self._release_after_step: set[str] = set()   # release() of requests still in a step in flight
@@ -140,8 +141,13 @@ class LLMEngine:
   num_device_blocks = property(lambda self: self.runner.num_device_blocks, doc="Usable device KV blocks.")
   num_host_blocks = property(lambda self: self.runner.num_host_blocks, doc="Host KV blocks (0: no rotation).")
   kv_cache = property(lambda self: self.runner.kv_cache, doc="The device KV cache (``JaxModelRunner``).")
+  scheduler = property(lambda self: self.loop.scheduler,
+                       doc="The scheduler (``SchedulerProtocol``), for inspection: only the step loop calls it.")
   stats = property(lambda self: self.loop.stats, lambda self, stats: setattr(self.loop, "stats", stats),
                    doc="The ``EngineStats`` counters (assign a fresh one to restart them).")
+  step_observer = property(lambda self: self.loop.step_observer,
+                           lambda self, fn: setattr(self.loop, "step_observer", fn),
+                           doc="Called with ``(plan, now)`` as each plan's step completes (``StepLoop``), or None.")
   idle_probe = property(lambda self: self.loop.idle_probe,
                         lambda self, probe: setattr(self.loop, "idle_probe", probe),
                         doc="The ``DeviceIdleProbe`` told of every dispatch and read-back, or None.")
@@ -176,18 +182,15 @@ class LLMEngine:
                   tbt_slo: Optional[float] = None, arrival_time: Optional[float] = None) -> str:
     """Queues a request; returns its id. Raises ``RequestError`` (a ValueError) for a bad request, leaving
     the engine and every other request untouched."""
-    return self.book.add(prompt, params, request_id=request_id, ttft_slo=ttft_slo, tbt_slo=tbt_slo,
-                         arrival_time=arrival_time)
+    r = self.book.new_request(prompt, params, request_id=request_id, ttft_slo=ttft_slo, tbt_slo=tbt_slo,
+                              arrival_time=arrival_time)
+    self.loop.add_request(r)
+    return r.request_id
 
   def abort(self, request_id: str) -> bool:
     """Aborts a waiting, running or rotary request and frees its blocks. Its final output (finish reason
     "abort") comes with the next ``step()``. Returns False if the id is unknown or already finished."""
-    r = self.book.reqs.get(request_id)
-    if r is None or r.finished:
-      return False
-    self.scheduler.abort(request_id)
-    self.book.finish(r, FINISH_ABORT)
-    return True
+    return self.loop.abort(request_id)
 
   def has_unfinished(self) -> bool:
     """True while a request is queued, running, rotary, or has an output not yet returned, or a step is in
@@ -218,7 +221,7 @@ class LLMEngine:
 
   # ----------------------------------------------------------------------------------------- stepping
   def step(self) -> list[RequestOutput]:
-    """Runs one step of the loop (``engine/loop.py``) and returns the new outputs: one ``RequestOutput``
+    """Runs one step of the loop (``engine/step_loop.py``) and returns the new outputs: one ``RequestOutput``
     per request that gained tokens, changed state or finished."""
     self.loop.step()
     return self.book.outputs()
@@ -273,6 +276,10 @@ class LLMEngine:
     """Compiled variants of the (process-wide) jitted step: bounded by the bucket scheme."""
     return self.runner.num_compiled_shapes()
 
+  def scheduler_stats(self) -> SchedulerStats:
+    """The scheduler's request counts, pool occupancy and cumulative counters now (``SchedulerStats``)."""
+    return self.loop.scheduler_stats()
+
   def check_invariants(self) -> None:
     """The scheduler's and its block manager's invariants (``AssertionError`` on the first violation)."""
-    self.scheduler.check_invariants()
+    self.loop.check_invariants()

@@ -1,4 +1,4 @@
-"""``FakeRunner``: a host-only ``ModelRunner`` (``engine/runner.py``) that checks the KV plumbing it is driven by.
+"""``FakeRunner``: a host-only ``ModelRunner`` (``engine/model_runner.py``) that checks the KV plumbing it is driven by.
 
 It keeps a pretend KV cache of token ids, ``[num_device_blocks + 1, block_size]`` (block 0 = padding), and a
 host pool of the same blocks; its "model" samples, for each sequence that samples, ``next_token(context)``, a

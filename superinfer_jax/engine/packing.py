@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 class StepHandle(NamedTuple):
-  """What ``ModelRunner.dispatch`` returns (``engine/runner.py``): the step's sampled ids ``[out_rows]`` and,
+  """What ``ModelRunner.dispatch`` returns (``engine/model_runner.py``): the step's sampled ids ``[out_rows]`` and,
   when asked, its logprobs ``(values, ids)``, as device arrays (numpy for a fake runner), not read yet."""
   tokens: Any
   logprobs: Any = None

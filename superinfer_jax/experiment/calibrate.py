@@ -8,8 +8,9 @@ states the experiment in step units:
 
   * ``tbt_slo = tbt_slo_steps * step_s`` and ``ttft_slo = ttft_slo_steps * step_s``;
   * load: the real scheduler and block manager (``fcfs``, the job's pool, budgets and requests, all
-    submitted at once, on a virtual clock) count the steps ``S`` the engine needs to serve the workload when
-    it is never idle; ``capacity = N / (S * step_s)`` requests/s, and the job offers
+    submitted at once), driven by the simulator's event loop (``sim.event_loop.simulate``, one virtual second
+    per step, pipeline off), count the steps ``S`` the engine needs to serve the workload when it is never
+    idle; ``capacity = N / (S * step_s)`` requests/s, and the job offers
     ``rps = load_factor * capacity`` (4 significant digits, so file names and rows carry the same number).
     A mean-footprint formula was tried first and overestimated capacity
     2.8x: a few long prompts hog a small pool and cause head-of-line blocking, which only the real
@@ -47,9 +48,10 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from superinfer_jax.kv.block_manager import BlockManager
-from superinfer_jax.sched import Request, Scheduler, VirtualClock
+from superinfer_jax.engine.config import EngineConfig
 from superinfer_jax.sim import calibration as cal
+from superinfer_jax.sim.event_loop import simulate
+from superinfer_jax.workload.types import RequestSpec
 
 GB = 1e9
 
@@ -102,24 +104,40 @@ def saturated_steps(prompt_lens: Sequence[int], output_lens: Sequence[int], *, s
                     num_device_blocks: int, num_host_blocks: int, block_size: int,
                     max_steps: int = 1_000_000) -> int:
   """Steps the real ``Scheduler`` (policy ``fcfs``) needs to serve every request submitted at t = 0 on a
-  pool of ``num_device_blocks`` blocks: the engine's makespan in steps when it is never idle."""
+  pool of ``num_device_blocks`` blocks: the engine's makespan in steps when it is never idle. The simulator's
+  event loop drives it (``sim.event_loop.simulate``: the scheduler and block manager built from the config,
+  pipeline off, every step one virtual second, copies free), so each plan is one step. A request the
+  scheduler refuses raises its ``ValueError``."""
   if not prompt_lens or len(prompt_lens) != len(output_lens):
     raise ValueError("calibration needs the workload's prompt and output lengths")
-  clock = VirtualClock()
-  s = Scheduler(dataclasses.replace(scheduler_config, policy="fcfs"),
-                BlockManager(num_device_blocks, num_host_blocks, block_size), clock)
-  for i, (p, o) in enumerate(zip(prompt_lens, output_lens)):
-    s.add_request(Request(i, int(p), int(o), 0.0))
-  steps = 0
-  while s.has_unfinished():
-    if steps >= max_steps:
-      raise RuntimeError(f"the workload did not finish within {max_steps} scheduler steps")
-    plan = s.schedule()
-    clock.advance(1.0)
-    s.on_step_done(plan)
-    s.pop_finished()
-    steps += 1
-  return steps
+  config = dataclasses.replace(EngineConfig(), scheduler=dataclasses.replace(scheduler_config, policy="fcfs"),
+                               num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
+                               block_size=block_size, pipeline=False)
+  width = len(str(len(prompt_lens)))   # ids that sort in submission order
+  requests = [RequestSpec(request_id=f"{i:0{width}d}", prompt="", prompt_len=int(p), output_len=int(o))
+              for i, (p, o) in enumerate(zip(prompt_lens, output_lens))]
+  res = simulate(requests, config, _OneSecondSteps(), time_limit_s=max_steps - 0.5)
+  if res.rejected:
+    raise ValueError(res.rejected[0][1])
+  if res.timed_out:
+    raise RuntimeError(f"the workload did not finish within {max_steps} scheduler steps")
+  return res.counters["plans"]
+
+
+class _OneSecondSteps:
+  """The cost model of ``saturated_steps``: a step (empty or not) takes one virtual second, copies none."""
+  empty_step_s = 1.0
+  block_bytes = 0
+
+  @staticmethod
+  def step_time(seqs) -> float:
+    del seqs
+    return 1.0
+
+  @staticmethod
+  def transfer_time(blocks_out: int, blocks_in: int) -> float:
+    del blocks_out, blocks_in
+    return 0.0
 
 
 def derive(step_times_s: Sequence[float], prompt_lens: Sequence[int], output_lens: Sequence[int], *,

@@ -56,7 +56,7 @@ from superinfer_jax.rotation.checks import as_pairs, check_host_id, validate_ste
 from superinfer_jax.rotation.config import (DUPLEX, MERGED, MERGED_KERNEL, MODES, NAIVE,  # noqa: F401
                                             SERIAL_MODES)
 from superinfer_jax.rotation.memory import check_memory_kind
-from superinfer_jax.rotation.stats import InFlight, TransferStats  # noqa: F401 (re-exported)
+from superinfer_jax.rotation.stats import CopyGroups, TransferStats  # noqa: F401 (re-exported)
 from superinfer_jax.util import next_power_of_2
 
 Pair = tuple[int, int]
@@ -125,7 +125,7 @@ class DuplexKV:
     self._pad_block_dev: jax.Array | None = None
     self._variants: set[tuple] = set()
     self.stats = TransferStats()
-    self.clock = InFlight(self.stats)
+    self.copies = CopyGroups(self.stats)
 
   # ------------------------------------------------------------------------------------------- public API
   @property
@@ -164,14 +164,17 @@ class DuplexKV:
   def prefetch(self, swap_in: Iterable[Sequence[int]]) -> None:
     """Starts the H2D copies of the next ``issue()``'s ``swap_in`` pairs now (duplex mode only).
 
-    Call it as soon as the plan is known (e.g. before dispatching the current model step). The copies land
+    Not part of the engine's duplex path: the engine never calls it (its H2D copies start in ``issue()``,
+    ordered by data dependency). It is an optional early start measured by ``rotation/link_bench.py`` and
+    exercised by the rotation tests: call it as soon as the plan is known (e.g. before dispatching the
+    current model step). The copies land
     in fresh device buffers, so nothing in the cache is touched before ``issue()``. Prefetches not consumed
     by the next ``issue()`` are dropped. In the serialized modes this is a no-op (they start H2D after D2H
     by definition).
     """
-    # Close landed copy groups first: the clock holds the previous step's H2D staging arrays until it sees
+    # Close landed copy groups first: ``self.copies`` holds the previous step's H2D staging arrays until it sees
     # them ready, and they must be released before this prefetch allocates the next step's.
-    self.clock.poll()
+    self.copies.poll()
     pairs = as_pairs(swap_in)
     if self.mode != DUPLEX or not pairs:
       return
@@ -216,17 +219,17 @@ class DuplexKV:
     d2h = d2h_so + d2h_wb
     validate_step(self._check_cache(cache), self.num_host_blocks, d2h, h2d)
     prefetched, self._prefetched = self._prefetched, {}
-    self.clock.poll()
+    self.copies.poll()
     (devs, hosts), (srcs, dsts) = columns(d2h), columns(h2d)
     if self.mode == DUPLEX:
       incoming = self._batched_h2d(srcs, prefetched)    # H2D first: it does not depend on the cache
       on_host = self._batched_d2h(cache, devs, hosts)   # gather from cache, then D2H of the staging blocks
       cache = self._scatter(cache, dsts, incoming)      # donates cache: after the gather
-      self.clock.add(t0, on_host + incoming)
+      self.copies.add(t0, on_host + incoming)
     else:
       blocked0 = self.stats.blocked_time_s
       cache = self._serial_issue(cache, devs, hosts, srcs, dsts)
-      self.clock.add_serial(t0, blocked0)
+      self.copies.add_serial(t0, blocked0)
     st, bb = self.stats, self.spec.block_bytes
     st.issues += 1
     st.blocks_out += len(d2h)
@@ -238,12 +241,12 @@ class DuplexKV:
 
   def poll(self) -> int:
     """Books the copies seen landed (``stats.copy_time_s``); never blocks. Returns issue() groups in flight."""
-    return self.clock.poll()
+    return self.copies.poll()
 
   def wait(self) -> None:
     """Blocks until every copy issued so far has landed (tests, benchmarks, shutdown); the wait is booked
     as blocked time. The engine itself never needs this: readers of a host block wait through the runtime."""
-    self.clock.wait()
+    self.copies.wait()
 
   def read_host_block(self, host_id: int) -> np.ndarray:
     """Returns a copy of host block ``host_id`` as numpy ``[L, 2, BS, H, D]`` (``spec.dtype``); waits for it.
@@ -311,9 +314,9 @@ class DuplexKV:
     if self.mode == MERGED:
       segment_copies.merged_d2h(self, cache, devs, hosts)
       return self._scatter(cache, dsts, segment_copies.merged_h2d(self, srcs), per_launch=1)
-    self.clock.block(self._batched_d2h(cache, devs, hosts))
+    self.copies.block(self._batched_d2h(cache, devs, hosts))
     incoming = self._batched_h2d(srcs, {})
-    self.clock.block(incoming)
+    self.copies.block(incoming)
     return self._scatter(cache, dsts, incoming)
 
   def _check_cache(self, cache: jax.Array) -> int:

@@ -2,7 +2,7 @@
 
 These are the ablation's slow baselines (docs/duplexkv.md): every segment is its own ``device_put`` (and,
 for ``merged``, its own gather/scatter launch), and each direction is waited for before the next starts.
-The waits are booked as blocked (exposed) time through the engine's ``InFlight`` clock.
+The waits are booked as blocked (exposed) time through the ``DuplexKV``'s ``CopyGroups`` (``eng.copies``).
 
 * ``naive`` (vLLM): per block, per layer, per K/V: segments ``[BS, H, D]``, one blocking ``device_put``
   each. Host blocks are then kept as ``2 * L`` segment arrays.
@@ -31,7 +31,7 @@ def naive_d2h(eng, cache: jax.Array, devs: Sequence[int], hosts: Sequence[int]) 
     segs = []
     for seg in kernels.split_block(blk):
       seg = jax.device_put(seg, seg.sharding.with_memory_kind(eng.host_memory_kind))
-      eng.clock.block(seg)
+      eng.copies.block(seg)
       segs.append(seg)
     eng.set_host_entry(h, tuple(segs))
     eng.stats.batches_out += len(segs)
@@ -46,7 +46,7 @@ def naive_h2d(eng, hosts: Sequence[int]) -> list[jax.Array]:
     segs = []
     for seg in eng.host_entry(h):
       seg = jax.device_put(seg, seg.sharding.with_memory_kind(device_kind))
-      eng.clock.block(seg)
+      eng.copies.block(seg)
       segs.append(seg)
     blocks.append(kernels.join_block(tuple(segs)))
     eng.note_variant(("join", eng.block_shape))
@@ -65,7 +65,7 @@ def merged_d2h(eng, cache: jax.Array, devs: Sequence[int], hosts: Sequence[int])
     eng.set_host_entry(h, arr)
   eng.stats.batches_out += len(on_host)
   eng.stats.segments_out += len(devs)   # one staged block = one contiguous segment
-  eng.clock.block(on_host)
+  eng.copies.block(on_host)
 
 
 def merged_h2d(eng, hosts: Sequence[int]) -> list[jax.Array]:
@@ -73,5 +73,5 @@ def merged_h2d(eng, hosts: Sequence[int]) -> list[jax.Array]:
   incoming = [jax.device_put(eng.host_entry(h), eng.device_sharding) for h in hosts]
   eng.stats.batches_in += len(incoming)
   eng.stats.segments_in += len(hosts)
-  eng.clock.block(incoming)
+  eng.copies.block(incoming)
   return incoming

@@ -1,4 +1,4 @@
-"""What a ``DuplexKV`` has moved and how long its copies took: ``TransferStats`` and ``InFlight``.
+"""What a ``DuplexKV`` has moved and how long its copies took: ``TransferStats`` and ``CopyGroups``.
 
 Times are host wall-clock seconds (``time.perf_counter``). Two per issue() call ("a group" of copies):
 
@@ -11,7 +11,7 @@ Times are host wall-clock seconds (``time.perf_counter``). Two per issue() call 
   part. A device-side stall (a model step queued behind an H2D copy it reads) is not visible here; it shows
   in the caller's wait for the step's outputs.
 
-Nothing here blocks except ``InFlight.wait``; ``poll`` only asks ``is_ready()`` (no device->host copy).
+Nothing here blocks except ``CopyGroups.wait``; ``poll`` only asks ``is_ready()`` (no device->host copy).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class TransferStats:
     return d
 
 
-class InFlight:
+class CopyGroups:
   """The copy groups an engine has issued and not yet seen land; books their times into ``stats``."""
 
   def __init__(self, stats: TransferStats):

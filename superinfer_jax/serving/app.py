@@ -55,7 +55,7 @@ def context_of(engine: Any) -> int:
 def _pools(eng: Any) -> dict:
   """The block manager's invariant check and pools, and the requests per state (run in the engine thread)."""
   eng.check_invariants()
-  sch = eng.scheduler.stats()
+  sch = eng.scheduler_stats()
   return {"invariants": "ok", "waiting": sch.num_waiting, "running": sch.num_running, "rotary": sch.num_rotary,
           "device_blocks_free": sch.free_device_blocks, "device_blocks": sch.device_blocks,
           "host_blocks_free": sch.free_host_blocks, "host_blocks": sch.host_blocks}

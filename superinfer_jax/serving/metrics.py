@@ -101,7 +101,7 @@ class ServerMetrics:
     self._scheduled.discard(rid)
 
   def after_step(self, engine) -> None:
-    sch, st = engine.scheduler.stats(), engine.stats
+    sch, st = engine.scheduler_stats(), engine.stats
     snap = dict(waiting=sch.num_waiting, running=sch.num_running, rotary=sch.num_rotary,
                 dev_total=sch.device_blocks, dev_free=sch.free_device_blocks,
                 host_total=sch.host_blocks, host_free=sch.free_host_blocks,

@@ -6,7 +6,7 @@ A ``Figure`` is one or more ``Part``s; a part is a set of settings (flat names o
 2400, DuplexKV with the pipeline) and of a workload (``WORKLOADS``: the ShareGPT stand-in as loaded, its
 length-scaled variant, or the Splitwise production trace). A part's RPS values are the paper's; a workload
 scales them by its ``rps_scale`` (the trace's own operating point). ``run_figure`` runs each part once per
-seed with ``sim.runner.run_sim_sweep`` (for ShareGPT a seed draws other requests and arrivals; for a trace
+seed with ``sim.sim_sweep.run_sim_sweep`` (for ShareGPT a seed draws other requests and arrivals; for a trace
 it picks another window of it), and then:
   * draws the figure (``metrics.plots.plot_figure_panels``: a column per panel, a row per metric, one line
     per policy / variant: the mean over seeds, the min-max range shaded);
@@ -266,7 +266,7 @@ def _run_part(name: str, wl: Workload, part: Part, config, seeds: Sequence[int],
               timelines: bool, log) -> list[dict[str, Any]]:
   """Every seed's run of one part (``config`` = ``part_configs``'s tuple) into ``part_dir/seed-<k>``, each
   plotted; returns the rows of all seeds, tagged with the figure, part and workload."""
-  from superinfer_jax.sim.runner import run_sim_sweep   # pylint: disable=import-outside-toplevel
+  from superinfer_jax.sim.sim_sweep import run_sim_sweep   # pylint: disable=import-outside-toplevel
   p_spec, p_eng, p_sim, _ = config
   log(f"[figure {name} / {wl.name}] part {part.name}: "
       f"{', '.join(f'{k}={v}' for k, v in part.settings.items())}, seeds {seeds} -> {part_dir}")

@@ -24,7 +24,7 @@ D2H blocks (swap-out + eager write-back pairs: both are D2H traffic) and ``n_in`
   ``t = L + max(B_out / k_d2h, B_in / k_h2d, (B_out + B_in) / duplex_cap)``.
 
 A direction with no blocks costs nothing (no launch). How the time meets the model step (pipeline overlap)
-is the loop's business (``loop.py``): with the pipeline on, a plan's copies overlap the step in flight and
+is the loop's business (``event_loop.py``): with the pipeline on, a plan's copies overlap the step in flight and
 only what exceeds it is exposed; with it off they add to the step.
 """
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 ``scripts/simulate.py --validate`` (same flags as ``scripts/run_experiment.py``, plus the simulator's):
 
-1. Runs ``experiment.runner.run_sweep`` (the real sweep, unchanged) into ``<output_dir>/real``, with every
-   timed run's ``LLMEngine`` handed to a ``StepRecorder`` through ``run_sweep``'s ``on_engine`` hook: each
-   ``on_step_done`` of its scheduler stamps the plan's time, the completion time and the batch the plan
-   formed (public attributes only).
+1. Runs ``experiment.real_sweep.run_sweep`` (the real sweep, unchanged) into ``<output_dir>/real``, with every
+   timed run's ``LLMEngine`` handed to a ``StepRecorder`` through ``run_sweep``'s ``on_engine`` hook: the
+   engine's ``step_observer`` stamps each plan's time, the completion time and the batch the plan formed, and
+   the pool from ``LLMEngine.scheduler_stats()`` (nothing of the scheduler's internals).
 2. For each timed run, fits the cost model's step formula (``calibration.fit_step_model``) to that run's
    back-to-back steps (``points_from_records``: a step whose plan was made at most ``max_gap_s`` after the
    previous step completed, i.e. no idle wait in between; its period = completion minus the previous
@@ -60,28 +60,25 @@ class StepRecorder:
     self.engines: list[tuple[str, list[StepRecord]]] = []
 
   def attach(self, engine, label: str) -> list[StepRecord]:
-    """Wraps ``engine.scheduler.on_step_done`` (on the instance) to append a ``StepRecord`` per call."""
+    """Sets ``engine.step_observer`` (it must be unset) to append a ``StepRecord`` per completed plan."""
+    if engine.step_observer is not None:
+      raise ValueError("the engine already has a step observer")
     records: list[StepRecord] = []
-    sched = engine.scheduler
-    inner = sched.on_step_done
 
-    report = getattr(engine, "transfer_report", None)
-
-    def on_step_done(plan, new_tokens, finished, now=None):
-      bm = sched.bm
-      copies = report() if report is not None else {}
-      pool = bm.num_device_blocks
-      used = pool - bm.num_free_device_blocks
+    def observe(plan, now):
+      copies = engine.transfer_report()
+      st = engine.scheduler_stats()
+      pool = st.device_blocks
+      used = pool - st.free_device_blocks
       records.append(StepRecord(
-          plan_time=float(plan.time), done_time=float(now if now is not None else engine.clock.now()),
+          plan_time=float(plan.time), done_time=float(now),
           seqs=tuple((s.num_new_tokens, s.num_computed_tokens) for s in plan.scheduled),
           blocks_out=len(plan.swap_out) + len(plan.writeback), blocks_in=len(plan.swap_in),
           occupancy=used / pool if pool else None,
-          kv_demand=(used + sched.demand_blocks) / pool if pool else None,
+          kv_demand=(used + st.demand_blocks) / pool if pool else None,
           copy_time_s=copies.get("copy_time_s"), blocked_time_s=copies.get("exposed_time_s")))
-      return inner(plan, new_tokens, finished, now)
 
-    sched.on_step_done = on_step_done
+    engine.step_observer = observe
     self.engines.append((label, records))
     return records
 
@@ -200,7 +197,7 @@ def run_real(spec, engine_config, *, model_tuple=None) -> list[dict[str, Any]]:
   """Step 1: the real sweep into ``<output_dir>/real`` (``output_dir`` fresh), its steps saved as
   ``<output_dir>/steps-<policy>-rep<k>.json`` (``steps_path``). ``model_tuple`` = (cfg, params, tokenizer)
   is handed to ``run_sweep`` (random weights; None: it loads ``spec.model``). Returns the real rows."""
-  from superinfer_jax.experiment.runner import fresh_output_dir, run_sweep  # pylint: disable=import-outside-toplevel
+  from superinfer_jax.experiment.real_sweep import fresh_output_dir, run_sweep  # pylint: disable=import-outside-toplevel
   out = spec.output_dir
   fresh_output_dir(out)
   recorder = StepRecorder()
@@ -221,7 +218,7 @@ def compare(spec, engine_config, sim_config, *, command: str, log: Callable[[str
   from superinfer_jax.metrics.results import read_results  # pylint: disable=import-outside-toplevel
   from superinfer_jax.sim.profiles import load_hardware_profile, resolve_profile_path  # pylint: disable=import-outside-toplevel
   from superinfer_jax.sim.config import profile_name  # pylint: disable=import-outside-toplevel
-  from superinfer_jax.sim.runner import model_profile, run_sim_sweep  # pylint: disable=import-outside-toplevel
+  from superinfer_jax.sim.sim_sweep import model_profile, run_sim_sweep  # pylint: disable=import-outside-toplevel
   out = spec.output_dir
   real_rows = read_results(os.path.join(out, "real", "results.jsonl"))
   hardware = profile_name(spec.hardware)

@@ -1,6 +1,6 @@
 """Policy x variant x RPS sweeps on the simulator (``scripts/simulate.py`` is a thin flag wrapper).
 
-The same sweep as ``experiment.runner.run_sweep`` (its ``SweepSpec`` flags, ``--vary``, the output layout:
+The same sweep as ``experiment.real_sweep.run_sweep`` (its ``SweepSpec`` flags, ``--vary``, the output layout:
 ``results.jsonl`` with ``engine="sim"``, ``requests-<label>-<rps>.jsonl``, ``config.json``, plots), with the
 model step and the KV copies timed by the cost model instead of run. ``--vary`` may also sweep the
 simulator's own settings (``SimConfig``: ``swap_bandwidth_gbps``, ``trace``...); the hardware profile is the
@@ -34,7 +34,7 @@ from superinfer_jax.metrics.timeline import requests_filename, write_timelines
 from superinfer_jax.model.config import load_config
 from superinfer_jax.sim.config import SimConfig, profile_name
 from superinfer_jax.sim.cost import Buckets, ModelProfile, device_pool_blocks
-from superinfer_jax.sim.loop import RooflineCost, derived_counters, simulate
+from superinfer_jax.sim.event_loop import RooflineCost, derived_counters, simulate
 from superinfer_jax.sim.profiles import load_hardware_profile
 
 GIB = 1 << 30

@@ -2,7 +2,7 @@
 
 A runner owns everything on the accelerator: the weights in their step layout, the paged KV cache, the
 compiled step functions and the KV copies between the device pool and the host pool. The engine core
-(requests, scheduler, block manager, stop checks, outputs; ``engine/core.py``, ``engine/loop.py``) talks to
+(requests, scheduler, block manager, stop checks, outputs; ``engine/request_book.py``, ``engine/step_loop.py``) talks to
 the device only through these calls:
 
 * ``issue_transfers(swap_out, writeback, swap_in, round_trip)``: starts a plan's KV copies (block-id

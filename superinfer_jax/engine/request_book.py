@@ -1,11 +1,12 @@
-"""The engine core's request book: admission checks, per-request state, stop checks and outputs.
+"""The engine core's request book: admission checks, per-request state, engine stop checks and outputs.
 
 ``RequestBook`` holds every request the engine knows (``EngineRequest``), validates new ones against the
 model and the device pool (``RequestError`` names what is wrong, and nothing changes), appends sampled tokens
-and decides when a request stops (eos unless ``ignore_eos``, stop token ids, stop strings, ``max_tokens``, the
-context length), and turns what changed since the last call into ``RequestOutput``s. It never touches the
-device and never calls the scheduler except to queue an admitted request; the step loop (``engine/loop.py``)
-drives it. Host-side only; no JAX.
+and decides the engine's stops (eos unless ``ignore_eos``, stop token ids, stop strings), and turns what
+changed since the last call into ``RequestOutput``s. The length stop (``max_tokens``, capped by the context
+length at admission) is not decided here: the scheduler decides it in ``on_step_done`` and the step loop
+finishes the request with it. The book never touches the device and never calls the scheduler; the step
+loop (``engine/step_loop.py``), the scheduler's one caller, drives it. Host-side only; no JAX.
 """
 from __future__ import annotations
 
@@ -15,11 +16,9 @@ import zlib
 from collections import Counter
 from typing import Optional, Sequence, Union
 
-from superinfer_jax.engine.config import (FINISH_LENGTH, FINISH_STOP, CompletionOutput, RequestOutput, SamplingParams,
-                                          TokenLogprobs)
+from superinfer_jax.engine.config import FINISH_STOP, CompletionOutput, RequestOutput, SamplingParams, TokenLogprobs
 from superinfer_jax.engine.detokenizer import IncrementalDetokenizer
 from superinfer_jax.model.tokenizer import encode_text
-from superinfer_jax.sched import Request
 
 PromptType = Union[str, Sequence[int]]
 
@@ -42,6 +41,8 @@ class EngineRequest:
   seed: int
   max_total_len: int             # prompt + output tokens allowed (max_tokens and context capped)
   arrival_time: float
+  ttft_slo: Optional[float]
+  tbt_slo: Optional[float]
   detok: Optional[IncrementalDetokenizer]
   output_token_ids: list[int] = dataclasses.field(default_factory=list)
   timestamps: list[float] = dataclasses.field(default_factory=list)
@@ -70,12 +71,10 @@ class EngineRequest:
   def finished(self) -> bool:
     return self.finish_reason is not None
 
-  def all_tokens_len(self) -> int:
-    return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-  def token_at(self, i: int) -> int:
-    p = len(self.prompt_token_ids)
-    return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+  @property
+  def max_tokens(self) -> int:
+    """Output tokens allowed: the scheduler finishes the request ("length") when it has this many."""
+    return self.max_total_len - len(self.prompt_token_ids)
 
   def tokens(self, start: int, stop: int) -> list[int]:
     p = len(self.prompt_token_ids)
@@ -102,10 +101,9 @@ class ModelLimits:
 class RequestBook:
   """Every request of one engine, by id (module docstring). ``engine_seed`` seeds requests that give none."""
 
-  def __init__(self, limits: ModelLimits, tokenizer, scheduler, clock, engine_seed: int):
+  def __init__(self, limits: ModelLimits, tokenizer, clock, engine_seed: int):
     self.limits = limits
     self.tokenizer = tokenizer
-    self.scheduler = scheduler
     self.clock = clock
     self.engine_seed = engine_seed
     self.reqs: dict[str, EngineRequest] = {}
@@ -114,9 +112,11 @@ class RequestBook:
     self._ids = itertools.count()
 
   # ------------------------------------------------------------------------------------------- admission
-  def add(self, prompt: PromptType, params: Optional[SamplingParams], *, request_id: Optional[str],
-          ttft_slo: Optional[float], tbt_slo: Optional[float], arrival_time: Optional[float]) -> str:
-    """Validates and queues a request (``LLMEngine.add_request``); returns its id."""
+  def new_request(self, prompt: PromptType, params: Optional[SamplingParams], *, request_id: Optional[str],
+                  ttft_slo: Optional[float], tbt_slo: Optional[float],
+                  arrival_time: Optional[float]) -> EngineRequest:
+    """A validated request (``RequestError`` if bad), not in the book yet: ``add`` it once the scheduler has
+    queued it."""
     params = dataclasses.replace(params) if params is not None else SamplingParams()
     lim = self.limits
     try:
@@ -139,16 +139,16 @@ class RequestBook:
     now = self.clock.now() if arrival_time is None else arrival_time
     detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
              if self.tokenizer is not None else None)
-    r = EngineRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params, seed=seed,
-                      max_total_len=max_total, arrival_time=now, detok=detok)
-    try:
-      self.scheduler.add_request(Request(request_id, len(prompt_ids), max_total - len(prompt_ids), now,
-                                         ttft_slo=ttft_slo, tbt_slo=tbt_slo))
-    except ValueError as e:
-      raise RequestError(str(e)) from None
-    self.reqs[request_id] = r
-    self.unfinished.add(request_id)
-    return request_id
+    return EngineRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params, seed=seed,
+                         max_total_len=max_total, arrival_time=now, ttft_slo=ttft_slo, tbt_slo=tbt_slo,
+                         detok=detok)
+
+  def add(self, r: EngineRequest) -> None:
+    """Puts a request made by ``new_request`` (and queued by the scheduler) in the book, unfinished."""
+    if r.request_id in self.reqs:
+      raise RequestError(f"duplicate request id {r.request_id!r}")
+    self.reqs[r.request_id] = r
+    self.unfinished.add(r.request_id)
 
   def _prompt_ids(self, prompt: PromptType) -> list[int]:
     lim = self.limits
@@ -197,7 +197,8 @@ class RequestBook:
       self.pending_out[request_id] = None
 
   def append_token(self, r: EngineRequest, tok: int, now: float, logprobs=None) -> Optional[str]:
-    """Appends a sampled token; returns a finish reason if the request stops. ``logprobs``: the step's row
+    """Appends a sampled token; returns ``FINISH_STOP`` if it stops the request (eos, a stop id, a stop
+    string), else None: the length stop is the scheduler's (module docstring). ``logprobs``: the step's row
     ``(values [1 + k], ids [k])`` when the step computed logprobs (kept only if the request asked)."""
     r.output_token_ids.append(tok)
     if r.params.processes_logits:
@@ -222,8 +223,6 @@ class RequestBook:
       return FINISH_STOP
     if tok in p.stop_token_ids:
       return FINISH_STOP
-    if r.all_tokens_len() >= r.max_total_len:
-      return FINISH_LENGTH
     return None
 
   def finish(self, r: EngineRequest, reason: str) -> None:

@@ -1,4 +1,12 @@
-"""The step loop: plan, issue transfers, dispatch, read back, in one of three orders.
+"""The step loop: the engine core's one driver of the scheduler; plan, issue transfers, dispatch, read back,
+in one of three orders.
+
+``StepLoop`` owns the request lifecycle on the scheduler side: it alone calls the scheduler (``add_request``
+when the engine admits a request, ``abort``, ``schedule``, ``on_step_done``, ``pop_finished``, ``stats``,
+``check_invariants``); ``RequestBook`` holds the requests and ``LLMEngine`` goes through this class.
+Finishes come back from ``on_step_done`` with their reason: "length" (``max_tokens``, decided there and
+only there) or the engine's own stop (eos, stop ids, stop strings: ``RequestBook.append_token``), which wins
+when a token is both (vLLM's order: a token that is eos and the last allowed one finishes with "stop").
 
 One engine step (docs/architecture.md "One engine step"):
 
@@ -8,7 +16,8 @@ One engine step (docs/architecture.md "One engine step"):
   3. ``HostBatch`` packs the ragged batch into one int32 buffer; ``runner.dispatch`` puts it on the device and
      enqueues the step, which samples on the device.
   4. ``runner.read_step`` reads the sampled ids back (the only device->host read); ``RequestBook`` runs
-     the stop checks; ``Scheduler.on_step_done`` is told the new tokens and finished requests.
+     the engine's stop checks; ``Scheduler.on_step_done`` is told the new tokens and those stops, and returns
+     every request that finished (length stops included), which the book then marks finished.
 
 Three loops (``EngineConfig.pipeline`` and ``zero_bubble``):
 
@@ -34,17 +43,18 @@ from typing import Any, Optional
 
 from superinfer_jax.engine.config import FINISH_ABORT
 from superinfer_jax.engine import logit_processing
-from superinfer_jax.engine.core import RequestBook
+from superinfer_jax.engine.request_book import EngineRequest, RequestBook, RequestError
 from superinfer_jax.engine.host_batch import HostBatch, SeqInput
 from superinfer_jax.engine.sampling import sampling_mode
 from superinfer_jax.engine.stats import EngineStats
+from superinfer_jax.sched import Request
 
 _STATES = (("rotated_out", "rotary"), ("preempted", "preempted"), ("rotated_in", "running"),
            ("admitted", "running"))   # plan field -> the state it records, in the order they happen
 
 
 @dataclasses.dataclass
-class InFlight:
+class DispatchedStep:
   """A dispatched model step whose sampled ids are not read yet."""
   plan: Any
   tokens: Any                            # the runner's handle of its sampled ids
@@ -55,10 +65,13 @@ class InFlight:
 
 
 class StepLoop:
-  """Drives ``scheduler``, ``book`` and ``runner`` one step at a time (module docstring).
+  """Drives ``scheduler``, ``book`` and ``runner`` one step at a time (module docstring); the only caller of
+  ``scheduler``.
 
-  ``on_read`` (optional) is called with each ``InFlight`` once its ids are read and processed (the engine
-  releases requests through it). ``idle_probe``: an ``engine.idle_probe.DeviceIdleProbe`` or None.
+  ``on_read`` (optional) is called with each ``DispatchedStep`` once its ids are read and processed (the engine
+  releases requests through it). ``step_observer`` (optional) is called with ``(plan, now)`` for every plan,
+  run or empty, right before the scheduler is told it is done (``experiment/sim_validation.py`` records the
+  steps through it). ``idle_probe``: an ``engine.idle_probe.DeviceIdleProbe`` or None.
   """
 
   def __init__(self, config, scheduler, book: RequestBook, runner, stats: EngineStats, clock):
@@ -71,10 +84,41 @@ class StepLoop:
     self.host_batch = HostBatch(config.block_size, token_floor=config.token_bucket_floor,
                                 seq_floor=config.seq_bucket_floor, blocks_floor=config.blocks_bucket_floor)
     self.idle_probe = None
-    self.inflight: Optional[InFlight] = None
+    self.inflight: Optional[DispatchedStep] = None
     self.on_read = None
+    self.step_observer = None
     self._empty_steps = 0
 
+  # ------------------------------------------------------------------------------------------ lifecycle
+  def add_request(self, r: EngineRequest) -> None:
+    """Queues a request made by ``RequestBook.new_request`` on the scheduler (its refusal -> ``RequestError``,
+    nothing changed), then puts it in the book."""
+    try:
+      self.scheduler.add_request(Request(r.request_id, len(r.prompt_token_ids), r.max_tokens, r.arrival_time,
+                                         ttft_slo=r.ttft_slo, tbt_slo=r.tbt_slo))
+    except ValueError as e:
+      raise RequestError(str(e)) from None
+    self.book.add(r)
+
+  def abort(self, request_id: str) -> bool:
+    """Ends a waiting, running or rotary request on the scheduler (its blocks freed) and in the book (final
+    output "abort" with the next outputs). False if the id is unknown or already finished."""
+    r = self.book.reqs.get(request_id)
+    if r is None or r.finished:
+      return False
+    self.scheduler.abort(request_id)
+    self.book.finish(r, FINISH_ABORT)
+    return True
+
+  def scheduler_stats(self):
+    """The scheduler's ``SchedulerStats`` now (request counts, pool occupancy, cumulative counters)."""
+    return self.scheduler.stats()
+
+  def check_invariants(self) -> None:
+    """The scheduler's and its block manager's invariants (``AssertionError`` on the first violation)."""
+    self.scheduler.check_invariants()
+
+  # ------------------------------------------------------------------------------------------ the steps
   def step(self) -> None:
     """One step of the configured loop; stats updated."""
     t0 = time.perf_counter()
@@ -180,7 +224,7 @@ class StepLoop:
     self.runner.issue_transfers(swap_out, writeback, swap_in, round_trip=bool(plan.round_trips))
     st.issue_time_s += time.perf_counter() - t
 
-  def _dispatch(self, plan, prev: Optional[InFlight] = None) -> Optional[InFlight]:
+  def _dispatch(self, plan, prev: Optional[DispatchedStep] = None) -> Optional[DispatchedStep]:
     """Builds the inputs of ``plan`` (skipping finished requests) and dispatches the step. ``prev``: the step
     in flight whose ids the host has not read (zero-bubble); a request it samples has one more token than the
     host knows, fed from ``prev.tokens`` on the device."""
@@ -204,7 +248,7 @@ class StepLoop:
     st.tokens_scheduled += num_tokens
     st.dispatch_time_s += time.perf_counter() - t0
     st.dispatch_cpu_time_s += time.thread_time() - c0
-    return InFlight(plan=plan, tokens=tokens, rows=rows, scheduled=[q.key for q in seqs], probe_step=probe_step)
+    return DispatchedStep(plan=plan, tokens=tokens, rows=rows, scheduled=[q.key for q in seqs], probe_step=probe_step)
 
   def _logit_extras(self, rows: dict[str, int], num_rows: int):
     """The step's logit-processing buffer (None when no sampling row processes logits) and its logprobs
@@ -253,8 +297,9 @@ class StepLoop:
                            r.sampling if sample else None, num_out + (feed_row >= 0)))
     return seqs, rows, num_tokens
 
-  def _complete(self, inflight: InFlight) -> float:
-    """Reads back a step's sampled ids, runs stop checks, tells the scheduler. Returns seconds waited."""
+  def _complete(self, inflight: DispatchedStep) -> float:
+    """Reads back a step's sampled ids, runs the engine's stop checks, tells the scheduler and finishes what
+    it returns (module docstring). Returns seconds waited."""
     t = time.perf_counter()
     tokens, logprobs = self.runner.read_step(inflight.tokens)
     inflight.read_time = t_read = time.perf_counter()
@@ -274,8 +319,6 @@ class StepLoop:
       if reason is not None:
         finished[rid] = reason
     self._on_step_done(inflight.plan, new_tokens, finished, now)
-    for rid, reason in finished.items():
-      self.book.finish(self.book.reqs[rid], reason)
     if self.on_read is not None:
       self.on_read(inflight)
     self.stats.tokens_generated += len(new_tokens)
@@ -283,8 +326,19 @@ class StepLoop:
     return t_read - t
 
   def _on_step_done(self, plan, new_tokens, finished, now=None) -> None:
-    self.scheduler.on_step_done(plan, new_tokens, finished, self.clock.now() if now is None else now)
+    """Tells the scheduler the step of ``plan`` is done with ``new_tokens`` and the engine's stops
+    (``finished``), and finishes in the book every request it reports finished: with the engine's reason
+    where there is one (a token that is both a stop and the last allowed one is a "stop"), else the
+    scheduler's ("length")."""
+    now = self.clock.now() if now is None else now
+    if self.step_observer is not None:
+      self.step_observer(plan, now)
+    done = self.scheduler.on_step_done(plan, new_tokens, finished, now)
     self.scheduler.pop_finished()  # the engine keeps its own results: the scheduler must not hoard them
+    for rid, reason in {**done, **finished}.items():
+      r = self.book.reqs.get(rid)
+      if r is not None:
+        self.book.finish(r, reason)
     if self.book.unfinished and not new_tokens and not plan.has_work:
       self._empty_steps += 1
       if self._empty_steps > 1000:

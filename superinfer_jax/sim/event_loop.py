@@ -3,12 +3,12 @@ for each step's duration, the same per-request timelines as the real engine's re
 
 Nothing here decides anything: every plan comes from ``Scheduler.schedule`` and every finish from
 ``Scheduler.on_step_done`` (lengths only: ``new_tokens=None``), called in the order ``LLMEngine`` calls them
-(``engine/engine.py``), and this module only adds up time.
+(``engine/step_loop.py``, the engine's one caller of the scheduler), and this module only adds up time.
 
 Time. The clock is the host's: plans are made, and state changes stamped, at its reading; a step's tokens
 are stamped when the step ends (the engine stamps them at read-back). With ``pipeline`` off, one iteration
 is ``schedule()`` -> copies (``X`` s) -> model step (``C`` s) -> ``on_step_done`` at ``t + X + C``. With
-``pipeline`` on, one iteration is one ``LLMEngine._step_pipelined`` call: with step k in flight (dispatched,
+``pipeline`` on, one iteration is one ``StepLoop._step_pipelined`` call: with step k in flight (dispatched,
 ending at ``end_k``), plan k+1 with ``schedule(lookahead=True)`` at the host's time and start its copies
 (on a link that is busy until the previous copies finish), advance to ``end_k``, ``on_step_done(k)``, drop
 the requests that finished at k from plan k+1's batch, and dispatch k+1: it starts when both step k and its
@@ -16,7 +16,7 @@ copies are done, so only the part of the copies that exceeds the step in flight 
 is empty (first step, or a plan whose batch was dropped entirely) the iteration plans without lookahead and
 dispatches, and the copies of that plan are fully exposed. A plan whose batch is empty is completed at once,
 as the engine does; the host then spends ``cost.empty_step_s``. When no request is live the clock jumps to
-the next arrival. Arrivals are added before each iteration (``experiment/replay.py`` adds them between
+the next arrival. Arrivals are added before each iteration (``experiment/workload_replay.py`` adds them between
 ``engine.step()`` calls) with their scheduled time as the arrival time.
 
 The cost model is any object with ``step_time(seqs) -> s`` (the dispatched ``ScheduledSeq``s),
@@ -121,8 +121,7 @@ class _SimRun:
     self.step_times: list[float] = []
     self.occupancy: list[float] = []
     self.kv_demand: list[float] = []
-    self.bm = getattr(self.sched, "bm", None)
-    self.pool = self.bm.num_device_blocks if self.bm is not None else 0
+    self.pool = self.sched.stats().device_blocks
     self.nxt, self.link_free, self.last_token, self.idle = 0, self.t0, self.t0, 0
 
   def arrivals(self, now: float) -> None:
@@ -176,14 +175,16 @@ class _SimRun:
     return self._plan_copies(plan)
 
   def _record_pool(self) -> None:
-    """Appends the device pool's occupancy and KV demand (shares of the pool) after a plan, counting a
-    KV-contended step where demand exceeds the pool; nothing without a block manager."""
+    """Appends the device pool's occupancy and KV demand (shares of the pool) after a plan, read from the
+    scheduler's ``stats()``, counting a KV-contended step where demand exceeds the pool; nothing with an
+    empty pool."""
     pool = self.pool
     if pool:
-      used = pool - self.bm.num_free_device_blocks
+      st = self.sched.stats()
+      used = pool - st.free_device_blocks
       self.occupancy.append(used / pool)
-      self.kv_demand.append((used + self.sched.demand_blocks) / pool)
-      if used + self.sched.demand_blocks > pool:
+      self.kv_demand.append((used + st.demand_blocks) / pool)
+      if used + st.demand_blocks > pool:
         self.c["kv_contended_steps"] += 1
 
   def _plan_copies(self, plan) -> float:
@@ -367,7 +368,7 @@ def simulate(requests: Sequence[Any], engine_config, cost, *, progress: bool = F
   ``num_device_blocks`` and ``num_host_blocks`` not None) on a fresh ``VirtualClock``, ``engine_config.
   pipeline`` as the engine's, driven by ``Simulator``. ``cost`` as in the module docstring."""
   if engine_config.num_device_blocks is None or engine_config.num_host_blocks is None:
-    raise ValueError("simulate: num_device_blocks and num_host_blocks must be resolved (sim.runner sizes them "
+    raise ValueError("simulate: num_device_blocks and num_host_blocks must be resolved (sim.sim_sweep sizes them "
                      "from the hardware profile)")
   clock = VirtualClock()
   bm = BlockManager(engine_config.num_device_blocks, engine_config.num_host_blocks, engine_config.block_size)

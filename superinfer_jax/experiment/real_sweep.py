@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 from superinfer_jax import util
 from superinfer_jax.experiment import calibrate as calib
-from superinfer_jax.experiment.replay import StepTimer, loadavg_1m, replay_workload
+from superinfer_jax.experiment.workload_replay import StepTimer, loadavg_1m, replay_workload
 from superinfer_jax.metrics.results import append_results_row, results_row
 from superinfer_jax.metrics.timeline import requests_filename, write_timelines
 from superinfer_jax.sweep import (SweepSpec, apply_variant, finish_report, fresh_output_dir,  # noqa: F401 (re-exported)
@@ -213,7 +213,7 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None,
 
   ``model_tuple`` = (cfg, params, tokenizer) skips loading ``spec.model`` (tests pass tiny models).
   ``on_engine(engine, label)`` is called with each timed run's engine (not the warm-up's), in run order,
-  before it serves anything (``sim/validation.py`` records every step through it).
+  before it serves anything (``experiment/sim_validation.py`` records every step through it).
   ``freeze_heap``: freeze what the process holds once the model is loaded (``util.freeze_heap``; the
   engines stay collectable), for processes that run one sweep (``scripts/run_experiment.py``).
   Returns the results rows (also appended to ``<output_dir>/results.jsonl``).

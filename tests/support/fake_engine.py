@@ -5,7 +5,7 @@ multi-host serving run without a model).
 ... up to its ``max_tokens``, text ``" t<n>"``, timestamp = the step count; with ``params.logprobs = k`` a
 ``TokenLogprobs`` of logprob ``-n / 10`` and top ids ``n, n + 1, ...`` at ``-(n + j) / 10``), then finishes it
 with ``"length"``; ``abort`` finishes it with ``"abort"`` at the next step. It keeps the attributes the serving
-layer reads (``tokenizer``, ``max_model_len``, ``model_config.vocab_size``, ``stats``, ``scheduler.stats()``,
+layer reads (``tokenizer``, ``max_model_len``, ``model_config.vocab_size``, ``stats``, ``scheduler_stats()``,
 ``check_invariants()``, ``replica.local_now``). ``fail_next = n`` makes the next n steps raise.
 """
 from __future__ import annotations
@@ -24,7 +24,6 @@ class FakeEngine:
     self.model_config = types.SimpleNamespace(vocab_size=100)
     self.stats = EngineStats()
     self.free_device_blocks = 8
-    self.scheduler = types.SimpleNamespace(stats=self._scheduler_stats)
     self.replica = types.SimpleNamespace(local_now=clock or time.monotonic)
     self.live: dict = {}          # request id -> [max_tokens, tokens emitted]
     self.final: list = []         # outputs of aborted requests, returned by the next step()
@@ -44,7 +43,7 @@ class FakeEngine:
       self.free_device_blocks += 1
       self.final.append(RequestOutput(rid, [], "", [], finished=True, finish_reason="abort"))
 
-  def _scheduler_stats(self):
+  def scheduler_stats(self):
     from superinfer_jax.sched.protocol import SchedulerStats  # pylint: disable=import-outside-toplevel
     return SchedulerStats(num_waiting=0, num_running=len(self.live), num_rotary=0, demand_blocks=0,
                           device_blocks=8, free_device_blocks=self.free_device_blocks, host_blocks=0,

@@ -1,4 +1,5 @@
-"""Helpers for tests and benchmarks: tiny random HF models (needs torch + transformers, imported lazily)."""
+"""Test helpers: tiny random HF models, their torch references and GGUF writing (needs torch + transformers,
+imported lazily)."""
 from __future__ import annotations
 
 import os
