@@ -52,6 +52,9 @@ flags.DEFINE_bool("validate", False,
 flags.DEFINE_bool("validate_reuse", False,
                   "with --validate: reuse the real runs and step records already in --output_dir (redo only the "
                   "fits and the simulations)")
+flags.DEFINE_string("results_file", None,
+                    "with --figure: also rewrite this figure's claims table (block <figure>-<workload>) in this "
+                    "markdown results file, e.g. docs/results/simulator.md")
 flags.DEFINE_bool("figure_timelines", False, "with --figure: also draw each run's per-request timeline (slow)")
 flags.DEFINE_integer("seeds", 5, "with --figure: run every point on this many seeds (--seed, --seed + 1, ...) and "
                                  "report mean and min-max; a claim holds only if it holds on each", lower_bound=1)
@@ -103,7 +106,7 @@ def main(argv):
     res = run_figure(FLAGS.figure, spec, config, sim_config, explicit=explicit,
                      output_dir=spec.output_dir if FLAGS["output_dir"].present else None,
                      timelines=FLAGS.figure_timelines, seeds=range(spec.seed, spec.seed + FLAGS.seeds),
-                     workload=FLAGS.figure_workload)
+                     workload=FLAGS.figure_workload, results_file=FLAGS.results_file)
     print(res.report)
     return
   rows = run_sim_sweep(spec, config, sim_config)

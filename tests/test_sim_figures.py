@@ -131,7 +131,8 @@ def test_simulate_script_figure_flag(tmp_path):
   out = tmp_path / "fig"
   args = [sys.executable, os.path.join(ROOT, "scripts", "simulate.py"), "--figure=budget", "--dataset=synthetic",
           "--num_requests=8", "--num_device_blocks=40", "--num_host_blocks=400", "--max_num_batched_tokens=512",
-          "--hardware=h200", "--noprogress", "--seeds=2", "--figure_workload=sharegpt", f"--output_dir={out}"]
+          "--hardware=h200", "--noprogress", "--seeds=2", "--figure_workload=sharegpt", f"--output_dir={out}",
+          f"--results_file={tmp_path / 'results.table.md'}"]
   proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -141,6 +142,10 @@ def test_simulate_script_figure_flag(tmp_path):
     assert len(rows) == 10 and {r["hardware"] for r in rows} == {"h200"}      # --hardware given: it wins
     assert {r["seed"] for r in rows} == {seed}
   assert "claims over seeds [0, 1]" in proc.stdout
+  block = (tmp_path / "results.table.md").read_text().split("<!-- results:budget-sharegpt -->\n")[1]
+  table = block.split("<!-- /results:budget-sharegpt -->")[0].splitlines()
+  assert table[0].startswith("| figure | workload | claim |") and len(table) == 2 + len(get_figure("budget").claims)
+  assert all(row.startswith("| budget | sharegpt | ") for row in table[2:])
   bad = subprocess.run(args[:2] + ["--figure=nope"], capture_output=True, text=True, timeout=120, cwd=ROOT)
   assert bad.returncode != 0 and "figure" in bad.stderr
 

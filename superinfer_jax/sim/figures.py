@@ -37,8 +37,9 @@ from typing import Any, Optional, Sequence
 
 from superinfer_jax.metrics import plots as plots_lib
 from superinfer_jax.sim.config import SimConfig
-from superinfer_jax.sim.figure_summary import (CONTENTION, check_claims, format_claims, format_summary,
-                                               summarize_points)
+from superinfer_jax.sim.figure_summary import (CONTENTION, check_claims, claims_markdown, format_claims,
+                                               format_summary, summarize_points)
+from superinfer_jax.sim.results_file import replace_block
 from superinfer_jax.sweep import SweepSpec, fresh_output_dir
 
 # The paper's evaluation setting (docs/paper.md §5 and the §2.2 defaults table); the workload is WORKLOADS'.
@@ -293,10 +294,12 @@ def _write_outputs(out: str, figure: dict[str, Any], summary: Sequence[dict[str,
 def run_figure(name: str, spec: SweepSpec, engine_config, sim_config: SimConfig, *,
                explicit: Sequence[str] = (), output_dir: Optional[str] = None, timelines: bool = False,
                seeds: Optional[Sequence[int]] = None, workload: Optional[str] = None,
-               log=print) -> FigureResult:
+               results_file: Optional[str] = None, log=print) -> FigureResult:
   """Runs figure ``name`` on ``workload`` (``None``: ``DEFAULT_WORKLOAD``) once per seed of ``seeds``
   (``None``: ``spec.seed`` alone) into ``output_dir`` (default ``runs/figure-<name>-<workload>``; fresh),
   draws it, summarises each point over the seeds and checks the figure's claims (module docstring).
+  ``results_file``: also rewrite the block ``<figure>-<workload>`` of that markdown results file (e.g.
+  ``docs/results/simulator.md``) with the claims table (``results_file.replace_block``).
 
   ``spec`` / ``engine_config`` / ``sim_config`` are the command line's; ``explicit`` the names set there
   (they override the figure's and the workload's settings; ``seed`` is always the loop's). ``timelines``
@@ -340,6 +343,8 @@ def run_figure(name: str, spec: SweepSpec, engine_config, sim_config: SimConfig,
   _write_outputs(out, {"figure": name, "paper": fig.paper, "workload": dataclasses.asdict(wl), "seeds": seeds,
                        "explicit": sorted(explicit), "parts": described, "claims": claims,
                        "plot": os.path.basename(plot)}, summary, report)
+  if results_file and claims:
+    replace_block(results_file, f"{name}-{wl.name}", claims_markdown(name, wl.name, claims))
   return FigureResult(output_dir=out, plot=plot, rows=rows, summary=summary, claims=claims, report=report)
 
 
