@@ -57,3 +57,30 @@ def test_one_name_for_the_host_parked_state():
     if re.search(r"\bSWAPPED\b|[\"']swapped[\"']", text):
       offenders.append(os.path.relpath(path, ROOT))
   assert not offenders, offenders
+
+
+def _architecture_section(title):
+  text = _text(os.path.join(ROOT, "docs", "architecture.md"))
+  m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## )", text, re.M | re.S)
+  assert m, f"docs/architecture.md has no section '## {title}'"
+  return m.group(1)
+
+
+def test_module_map_lists_every_module_once():
+  """docs/architecture.md "Module map": one row per module of the library, the kernels and the scripts."""
+  modules = sorted(os.path.relpath(p, ROOT) for top in ("superinfer_jax", "pallas_kernels", "scripts")
+                   for p in glob.glob(os.path.join(ROOT, top, "**", "*.py"), recursive=True)
+                   if os.path.basename(p) != "__init__.py")
+  rows = re.findall(r"^\| `([^`]+\.py)` \| (.*) \|$", _architecture_section("Module map"), re.M)
+  listed = [path for path, _ in rows]
+  assert len(listed) == len(set(listed)), [p for p in listed if listed.count(p) > 1]
+  assert sorted(set(modules) - set(listed)) == [], "modules missing from the map"
+  assert sorted(set(listed) - set(modules)) == [], "the map lists modules that do not exist"
+  assert all(len(what.strip()) >= 10 for _, what in rows), [p for p, w in rows if len(w.strip()) < 10]
+
+
+def test_one_request_walk_fits_a_page():
+  walk = _architecture_section("One request, end to end").strip().splitlines()
+  assert 10 <= len(walk) <= 60, len(walk)
+  for stage in ("Plan", "Copies", "Step", "Outputs"):
+    assert any(f"**{stage}.**" in line for line in walk), stage
