@@ -146,7 +146,8 @@ def _settings(dry: bool) -> dict:
                            "--num_device_blocks=32", "--max_num_batched_tokens=16", "--max_num_seqs=2",
                            "--token_bucket_floor=8", "--seq_bucket_floor=2"],
                 experiment=["--flagfile=configs/experiments/gpu_tiny.flags"],
-                startup=["--num_device_blocks=64", "--max_num_batched_tokens=32", "--max_num_seqs=4"],
+                startup=["--num_device_blocks=64", "--max_num_batched_tokens=32", "--max_num_seqs=4",
+                         "--token_bucket_floor=8"],
                 pytest=["-k", "lowering"])
   return dict(model="llama-3-8b", dtype="bfloat16", batches="1,32,64", prompt_len=256, max_tokens=32, blocks=8192,
               attention=["--context_lens=2048,8192", "--tune", "--min_time_s=0.1"],

@@ -190,10 +190,18 @@ def test_chat_without_max_tokens_gets_the_rest_of_the_pool_capped_context(client
   assert r.usage.prompt_tokens + r.usage.completion_tokens == POOL_TOKENS
 
 
-# A first stream that would cross a step shape: the prompt's prefill runs in the 32-token bucket, its decode
-# steps (one token each) in the 8-token one, so without the warm-up the first decode step compiles mid-stream.
+# A first stream of two step shapes: the prompt's prefill runs in the 32-token bucket, its decode steps (one
+# token each) in the 8-token one; without the warm-up both compile on the request path.
 SECOND_SHAPE_ARGS = ["--token_bucket_floor=8"]
 STALL_PROMPT = " ".join(f"w{i}" for i in range(20))
+# The tiny model steps in about a millisecond and the client reads several events at once, so gaps below this are
+# read granularity, not the engine: "within 2x the median" is taken of max(median, this). A compile is >> 2x it.
+GAP_RESOLUTION_S = 0.025
+
+
+def _stalls(gaps) -> bool:
+  """True when the worst token gap exceeds 2x the median gap (at the read granularity above)."""
+  return max(gaps) > 2 * max(statistics.median(gaps), GAP_RESOLUTION_S)
 
 
 def _first_stream_token_gaps(server, max_tokens=40) -> list:
@@ -213,15 +221,15 @@ def test_fresh_server_with_default_flags_streams_its_first_request_without_a_com
   s = Server(model_dir, str(tmp_path), extra=SECOND_SHAPE_ARGS)
   try:
     gaps = _first_stream_token_gaps(s)
-    assert max(gaps) <= 2 * statistics.median(gaps), (max(gaps), statistics.median(gaps), s.output())
-    assert "on the request path" not in s.output()          # the worker logs every request-path compile
+    assert not _stalls(gaps), (max(gaps), statistics.median(gaps), s.output())
+    assert "new shape(s) on the request path" not in s.output()   # the worker logs every request-path compile
   finally:
     s.stop()
   quick = Server(model_dir, str(tmp_path), extra=SECOND_SHAPE_ARGS + ["--noprecompile"])
-  try:   # the opt-out: the same first stream stalls on the decode shape's compile
-    gaps = _first_stream_token_gaps(quick)
-    assert max(gaps) > 2 * statistics.median(gaps), gaps
-    assert "on the request path" in quick.output()
+  try:   # the opt-out: healthy at once, and the same first stream compiles its shapes on the request path
+    assert quick.health_seen == [200], quick.health_seen
+    _first_stream_token_gaps(quick)
+    assert "new shape(s) on the request path" in quick.output()
   finally:
     quick.stop()
 
