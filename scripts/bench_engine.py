@@ -58,6 +58,9 @@ flags.DEFINE_list("loops", ["zero_bubble", "pipelined"], "engine step loops to r
                   "pipelined (reads step k's ids before dispatching k+1), sync (no pipeline)")
 flags.DEFINE_integer("repeats", 1, "interleaved runs per (impl, batch); the median-rate run is reported")
 flags.DEFINE_float("switch_interval_s", 1e-4, "sys.setswitchinterval while the engine runs (idle probe)")
+flags.DEFINE_bool("serve_warmup", False, "first time scripts/serve.py's start-up on this model: the engine's build, "
+                  "then its warm-up (the rotation buckets and every step shape in every sampling mode), one JSON "
+                  "row with impl serve_warmup (--batch_sizes= runs nothing else)")
 flags.DEFINE_bool("torch", True, "also run transformers generate on the same weights")
 flags.DEFINE_bool("random_weights", False, "--model is a config name; both sides run random weights of its shape")
 flags.DEFINE_list("torch_threads", ["0", "1"], "torch.set_num_threads for each transformers run (0: every core "
@@ -141,6 +144,21 @@ def bench_engine(engine, batch, prompt_len, max_tokens, warm_up=True):
           "attention_backend": resolved_attention_name(c.model.attention),
           "layer_loop": c.layer_loop, "token_bucket_floor": c.token_bucket_floor,
           "loadavg_1m": loadavg_1m()}
+
+
+def serve_warmup(engine, build_s: float) -> dict:
+  """scripts/serve.py's start-up on ``engine`` (built in ``build_s`` seconds, weights included): its default
+  warm-up, the rotation buckets and then every step shape in every sampling mode, timed."""
+  from superinfer_jax.engine.sampling import SAMPLING_MODES  # pylint: disable=import-outside-toplevel
+  t0 = time.perf_counter()
+  before = engine.num_compiled_shapes()
+  engine.precompile_rotation()
+  engine.precompile_steps(SAMPLING_MODES)
+  warmup_s = time.perf_counter() - t0
+  return {"impl": "serve_warmup", "engine_build_s": build_s, "precompile_s": warmup_s,
+          "startup_s": build_s + warmup_s, "compiled_step_shapes": engine.num_compiled_shapes() - before,
+          "token_bucket_floor": engine.config.token_bucket_floor,
+          "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens}
 
 
 def torch_thread_counts(values) -> list[int]:
@@ -271,8 +289,11 @@ def main(argv):
   if FLAGS.repeats < 1:
     raise app.UsageError("--repeats must be >= 1")
   torch_threads = torch_thread_counts(FLAGS.torch_threads) if FLAGS.torch else []
+  t0 = time.perf_counter()
   model, tmodel = _models(config)     # one copy of the weights for every loop
   engines = {loop: LLMEngine(model, config.replace(**LOOPS[loop])) for loop in FLAGS.loops}
+  if FLAGS.serve_warmup:
+    print(json.dumps(_rounded(serve_warmup(next(iter(engines.values())), time.perf_counter() - t0))), flush=True)
   batches = [int(b) for b in FLAGS.batch_sizes]
   freeze_heap()   # weights, tokenizer, imports and engines live as long as this process (util.freeze_heap)
   vocab = model[0].vocab_size

@@ -47,8 +47,10 @@ flags.DEFINE_integer("max_queue", 256, "max requests accepted and not finished; 
 flags.DEFINE_integer("max_request_bytes", 4 << 20, "largest request body accepted; beyond it: HTTP 413")
 flags.DEFINE_float("shutdown_timeout", 10.0, "seconds admitted requests get to finish on SIGINT/SIGTERM (503 to "
                    "new ones meanwhile); then the rest are aborted")
-flags.DEFINE_bool("precompile", False, "compile every step shape before serving (in the engine thread once the "
-                  "server listens; /health answers 503 until done, with progress in the log)")
+flags.DEFINE_bool("precompile", True, "compile every step shape (each sampling mode) and the rotation buckets "
+                  "before serving, so no request pays a compile (in the engine thread once the server listens; "
+                  "/health answers 503 until done, with a progress bar in the log); --noprecompile for a quick "
+                  "development start whose first requests compile on the request path")
 flags.DEFINE_string("log_level", "info", "uvicorn / server log level")
 flags.DEFINE_float("switch_interval", 0.0005, "Python's thread switch interval (s): the engine thread and the "
                    "event loop share the GIL; the default 5 ms would delay steps behind HTTP work")
@@ -102,7 +104,7 @@ def main(argv):
     return 2
   print(f"[serve] engine built in {time.monotonic() - t0:.1f} s", flush=True)
   # The engine serves for the process's life (a rebuild unfreezes first: serving/worker.py); with
-  # --precompile the heap is frozen once the engine thread has compiled, before it serves.
+  # --precompile (the default) the heap is frozen once the engine thread has compiled, before it serves.
   warmup = _precompile if FLAGS.precompile else None
   if warmup is None:
     freeze_heap()
@@ -194,16 +196,25 @@ def _draining_server_class():
   return DrainingServer
 
 
+def _progress_bar(done: int, total: int, width: int = 24) -> str:
+  """``[#########---------------] 3/8``: ``done`` of ``total`` as a text bar (a log line, not a terminal one)."""
+  filled = width * min(done, total) // max(total, 1)
+  return f"[{'#' * filled}{'-' * (width - filled)}] {done}/{total}"
+
+
 def _precompile(engine) -> None:
-  """The engine thread's warm-up with --precompile (every process alike): the rotation buckets, then every
-  step shape, logging progress every 5 s (shapes compiled of the token buckets to do); then freezes the
-  heap. The server answers 503 until it is done."""
+  """The engine thread's warm-up with --precompile (the default; every process alike): the rotation buckets,
+  then every step shape in every sampling mode, with a progress bar in the log every 2 s (step shapes compiled
+  of the token buckets x sampling modes to do); then freezes the heap. The server answers 503 until it is
+  done."""
   import threading  # pylint: disable=import-outside-toplevel
+  from superinfer_jax.engine.sampling import SAMPLING_MODES  # pylint: disable=import-outside-toplevel
   c = engine.config
   floor, top = c.token_bucket_floor, c.scheduler.max_num_batched_tokens
   buckets = 1
   while floor < top:
     floor, buckets = 2 * floor, buckets + 1
+  shapes = buckets * len(SAMPLING_MODES)
   t0, done = time.monotonic(), threading.Event()
   before = engine.num_compiled_shapes()
   table = -(-engine.max_model_len // c.block_size)
@@ -213,21 +224,23 @@ def _precompile(engine) -> None:
           f"{c.blocks_bucket_floor} (of up to {table}) compile on the request path, each logged", flush=True)
 
   def heartbeat():
-    while not done.wait(5.0):
-      print(f"[serve] precompiling: {engine.num_compiled_shapes() - before} of {buckets} step shapes compiled "
+    while not done.wait(2.0):
+      print(f"[serve] precompiling {_progress_bar(engine.num_compiled_shapes() - before, shapes)} step shapes "
             f"({time.monotonic() - t0:.0f} s)", flush=True)
 
-  print(f"[serve] precompiling the rotation buckets and {buckets} step shapes; /health answers 503 until "
-        "done", flush=True)
+  print(f"[serve] precompiling the rotation buckets and {shapes} step shapes ({buckets} token buckets x "
+        f"{len(SAMPLING_MODES)} sampling modes); /health answers 503 until done (--noprecompile skips this)",
+        flush=True)
   threading.Thread(target=heartbeat, name="precompile-progress", daemon=True).start()
   try:
     engine.precompile_rotation()
     print(f"[serve] precompiled the rotation buckets ({time.monotonic() - t0:.1f} s)", flush=True)
-    engine.precompile_steps()
+    engine.precompile_steps(SAMPLING_MODES)
   finally:
     done.set()
-  print(f"[serve] precompiled {engine.num_compiled_shapes() - before} step shapes in {time.monotonic() - t0:.1f} s;"
-        " ready", flush=True)
+  compiled = engine.num_compiled_shapes() - before
+  print(f"[serve] precompiled {_progress_bar(compiled, shapes)} step shapes in {time.monotonic() - t0:.1f} s; "
+        "ready", flush=True)
   freeze_heap()
 
 

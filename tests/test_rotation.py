@@ -329,20 +329,3 @@ def test_validation():
   assert not eng.has_host_block(0)
   with pytest.raises(ValueError):
     DuplexKV(spec, 4, mode="bogus")
-
-
-@pytest.mark.parametrize("layout", ["block_first", "layer_first"])
-def test_kernels_lower_for_gpu(layout):
-  """The jitted kernels lower for CUDA (checked on CPU; the transfers themselves need a GPU to test)."""
-  spec = _spec("bfloat16", layout)
-  cache = jax.ShapeDtypeStruct(spec.shape(9), jnp.bfloat16)
-  ids = jax.ShapeDtypeStruct((4,), jnp.int32)
-  block = jax.ShapeDtypeStruct((2, 2, 4, 2, 4), jnp.bfloat16)
-  lowered = [
-      kernels.gather_blocks.trace(cache, ids, block_axis=spec.block_axis),
-      kernels.scatter_blocks.trace(cache, ids, (block,) * 4, block_axis=spec.block_axis),
-      kernels.split_block.trace(block),
-      kernels.join_block.trace(tuple(jax.ShapeDtypeStruct((4, 2, 4), jnp.bfloat16) for _ in range(4))),
-  ]
-  for traced in lowered:
-    assert traced.lower(lowering_platforms=("cuda",)).as_text()

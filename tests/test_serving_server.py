@@ -3,6 +3,7 @@ word-level tokenizer, driven by the ``openai`` package and ``httpx``. Every wait
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -54,8 +55,9 @@ class Server:
     deadline = time.monotonic() + 120
     while not os.path.exists(self.port_file):
       if self.proc.poll() is not None or time.monotonic() > deadline:
+        out = self.output()
         self.stop()
-        raise RuntimeError(f"server did not start:\n{self.output()}")
+        raise RuntimeError(f"server did not start:\n{out}")
       time.sleep(0.2)
     with open(self.port_file) as f:
       self.port = int(f.read())
@@ -70,8 +72,9 @@ class Server:
       except httpx.HTTPError:
         pass
       if self.proc.poll() is not None or time.monotonic() > deadline:
+        out = self.output()
         self.stop()
-        raise RuntimeError(f"server not healthy:\n{self.output()}")
+        raise RuntimeError(f"server not healthy:\n{out}")
       time.sleep(0.2)
 
   def output(self):
@@ -187,12 +190,57 @@ def test_chat_without_max_tokens_gets_the_rest_of_the_pool_capped_context(client
   assert r.usage.prompt_tokens + r.usage.completion_tokens == POOL_TOKENS
 
 
-def test_precompile_logs_progress_and_health_is_503_until_ready(model_dir, tmp_path):
-  s = Server(model_dir, str(tmp_path), extra=["--precompile"])
+# A first stream of two step shapes: the prompt's prefill runs in the 32-token bucket, its decode steps (one
+# token each) in the 8-token one; without the warm-up both compile on the request path.
+SECOND_SHAPE_ARGS = ["--token_bucket_floor=8"]
+STALL_PROMPT = " ".join(f"w{i}" for i in range(20))
+# The tiny model steps in about a millisecond and the client reads several events at once, so gaps below this are
+# read granularity, not the engine: "within 2x the median" is taken of max(median, this). A compile is >> 2x it.
+GAP_RESOLUTION_S = 0.025
+
+
+def _stalls(gaps) -> bool:
+  """True when the worst token gap exceeds 2x the median gap (at the read granularity above)."""
+  return max(gaps) > 2 * max(statistics.median(gaps), GAP_RESOLUTION_S)
+
+
+def _first_stream_token_gaps(server, max_tokens=40) -> list:
+  """Seconds between the streamed tokens of one completion (default sampling: temperature 1, the random mode)."""
+  arrivals = []
+  body = {"model": "tiny", "prompt": STALL_PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+  with httpx.Client(timeout=120) as c:
+    with c.stream("POST", server.url + "/v1/completions", json=body) as r:
+      for line in r.iter_lines():
+        if line.startswith("data: {"):
+          arrivals.append(time.monotonic())
+  assert len(arrivals) >= max_tokens // 2
+  return [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+
+def test_fresh_server_with_default_flags_streams_its_first_request_without_a_compile_stall(model_dir, tmp_path):
+  s = Server(model_dir, str(tmp_path), extra=SECOND_SHAPE_ARGS)
+  try:
+    gaps = _first_stream_token_gaps(s)
+    assert not _stalls(gaps), (max(gaps), statistics.median(gaps), s.output())
+    assert "new shape(s) on the request path" not in s.output()   # the worker logs every request-path compile
+  finally:
+    s.stop()
+  quick = Server(model_dir, str(tmp_path), extra=SECOND_SHAPE_ARGS + ["--noprecompile"])
+  try:   # the opt-out: healthy at once, and the same first stream compiles its shapes on the request path
+    assert quick.health_seen == [200], quick.health_seen
+    _first_stream_token_gaps(quick)
+    assert "new shape(s) on the request path" in quick.output()
+  finally:
+    quick.stop()
+
+
+def test_precompile_is_the_default_with_a_progress_bar_and_health_is_503_until_ready(model_dir, tmp_path):
+  s = Server(model_dir, str(tmp_path))
   try:
     out = s.output()
     assert 503 in s.health_seen and s.health_seen[-1] == 200, s.health_seen
-    assert "[serve] precompiling the rotation buckets and" in out and "step shapes in" in out and "ready" in out
+    assert "[serve] precompiling the rotation buckets and 3 step shapes (1 token buckets x 3 sampling modes)" in out
+    assert "[serve] precompiled [########################] 3/3 step shapes in" in out and "ready" in out
     r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "w1 w2", "max_tokens": 4}, timeout=60)
     assert r.status_code == 200
   finally:

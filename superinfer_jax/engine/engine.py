@@ -22,6 +22,7 @@ import numpy as np
 from superinfer_jax.engine.config import CompletionOutput, EngineConfig, RequestOutput, SamplingParams
 from superinfer_jax.engine.request_book import ModelLimits, PromptType, RequestBook, RequestError
 from superinfer_jax.engine.host_batch import SeqInput
+from superinfer_jax.engine.sampling import GREEDY
 from superinfer_jax.engine.step_loop import StepLoop
 from superinfer_jax.engine.stats import EngineStats
 from superinfer_jax.kv.block_manager import BlockManager
@@ -247,12 +248,13 @@ class LLMEngine:
     return [self.get_request(i) for i in ids]
 
   # ------------------------------------------------------------------------------------------ warm-up
-  def precompile_steps(self) -> int:
-    """Compiles the greedy step for every token bucket up to ``max_num_batched_tokens`` at the configured
-    sequence and block-table floors, by running dummy one-sequence batches. Only an idle engine may do this
-    (the dummy K/V land in free device blocks, which any later owner overwrites before reading). With the
-    floors at their maxima (``seq_bucket_floor = max_num_seqs``, ``blocks_bucket_floor`` >= blocks of the
-    longest request) that is every greedy shape a run can hit. Returns the compiled step variants."""
+  def precompile_steps(self, modes: Sequence[str] = (GREEDY,)) -> int:
+    """Compiles the step in each sampling mode of ``modes`` (``sampling.SAMPLING_MODES``) for every token bucket
+    up to ``max_num_batched_tokens`` at the configured sequence and block-table floors, by running dummy
+    one-sequence batches. Only an idle engine may do this (the dummy K/V land in free device blocks, which any
+    later owner overwrites before reading). With the floors at their maxima (``seq_bucket_floor =
+    max_num_seqs``, ``blocks_bucket_floor`` >= blocks of the longest request) that is every shape a run in
+    those modes can hit without logprobs or logit processing. Returns the compiled step variants."""
     if self.loop.inflight is not None or self.book.unfinished:
       raise RuntimeError("precompile_steps() needs an idle engine (no request queued or running)")
     c = self.config
@@ -261,7 +263,8 @@ class LLMEngine:
       n = min(num_tokens, self.max_model_len, self.num_device_blocks * c.block_size)
       table = list(range(1, self.kv_spec.blocks_for_tokens(n) + 1))
       packed, dims = self.loop.host_batch.pack_from_scratch([SeqInput("", [0] * n, 0, table, -1, True, None, 0)])
-      self.runner.precompile_step(packed, dims)
+      for mode in modes:
+        self.runner.precompile_step(packed, dims, mode)
       if num_tokens >= top:
         return self.num_compiled_shapes()
       num_tokens *= 2

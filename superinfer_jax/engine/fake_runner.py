@@ -96,7 +96,7 @@ class FakeRunner:
   def read_step(self, handle: packing.StepHandle):
     return handle.tokens.tolist(), None
 
-  def precompile_step(self, packed: np.ndarray, dims) -> None:
+  def precompile_step(self, packed: np.ndarray, dims, mode: str = "greedy") -> None:
     pass
 
   def precompile_rotation(self) -> None:

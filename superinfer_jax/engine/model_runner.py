@@ -17,7 +17,7 @@ the device only through these calls:
 * ``read_step(handle) -> (list[int], logprobs or None)``: blocks until that step is done and returns its
   ``out_rows`` ids and, when it computed them, its logprobs (``values [out_rows, 1 + k]`` float32, ``ids
   [out_rows, k]`` int32 numpy): the only device->host read of the step loop.
-* ``precompile_step(packed, dims)``, ``precompile_rotation()``, ``num_compiled_shapes()``: warm-up.
+* ``precompile_step(packed, dims, mode)``, ``precompile_rotation()``, ``num_compiled_shapes()``: warm-up.
 
 and reads ``model_config``, ``kv_spec``, ``num_device_blocks``, ``num_host_blocks``, ``out_rows``. A test
 double or a cost model implements the same protocol (``engine/fake_runner.py``).
@@ -63,7 +63,7 @@ class ModelRunner(Protocol):
 
   def read_step(self, handle: StepHandle) -> tuple[list[int], Optional[tuple[np.ndarray, np.ndarray]]]: ...
 
-  def precompile_step(self, packed: np.ndarray, dims: tuple[int, int, int, int]) -> None: ...
+  def precompile_step(self, packed: np.ndarray, dims: tuple[int, int, int, int], mode: str = "greedy") -> None: ...
 
   def precompile_rotation(self) -> None: ...
 
@@ -238,9 +238,9 @@ class JaxModelRunner:
     tokens, lp = jax.device_get((handle.tokens, handle.logprobs))
     return tokens.tolist(), lp
 
-  def precompile_step(self, packed: np.ndarray, dims) -> None:
-    """Runs (and so compiles) the step of ``dims`` on a dummy greedy batch and waits for it."""
-    jax.block_until_ready(self.dispatch(packed, dims, sampling_lib.GREEDY, None).tokens)
+  def precompile_step(self, packed: np.ndarray, dims, mode: str = sampling_lib.GREEDY) -> None:
+    """Runs (and so compiles) the step of ``dims`` in sampling ``mode`` on a dummy batch and waits for it."""
+    jax.block_until_ready(self.dispatch(packed, dims, mode, None).tokens)
 
   def precompile_rotation(self) -> None:
     """Compiles every rotation gather/scatter bucket (no-op without a host pool)."""
