@@ -19,7 +19,7 @@ import pytest
 
 import pallas_kernels.grouped_matmul as grouped_matmul_lib
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-from superinfer_jax.engine import EngineConfig, SamplingParams, packing, runner as runner_lib
+from superinfer_jax.engine import EngineConfig, SamplingParams, model_runner as runner_lib, packing
 from superinfer_jax.engine.engine import LLMEngine
 from superinfer_jax.engine.sampling import SAMPLING_MODES
 from superinfer_jax.model import load_config
