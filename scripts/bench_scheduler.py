@@ -57,7 +57,7 @@ callgrind instructions.
 
 ``--plan_hashes`` skips the timing and prints ``{policy: {scenario: sha256}}`` for every policy over the
 replay scenarios (``sched/replay.py``; ``--hash_steps`` steps each): the plan-hash check, pinned by
-``tests/test_sched_replay.py``.
+``tests/sched/test_sched_replay.py``.
 """
 import dataclasses
 import gc

@@ -27,7 +27,7 @@ forward over the donated cache plus on-device sampling. Inputs are device-reside
 explicit ``device_put`` of the packed buffer; the previous step's ids are already on the device), so the
 call only enqueues work. With the unrolled layer loop (the default) the compiled step holds no while loop,
 no conditional and no host callback: nothing in it makes the host wait for the device
-(``tests/test_engine_lowering.py`` checks the lowering for CUDA).
+(``tests/engine/test_engine_lowering.py`` checks the lowering for CUDA).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ Public API::
 The names below are imported on first access, so ``superinfer_jax.model.tokenizer`` (which the JAX-free
 workload package uses) can be imported without pulling in JAX through ``api`` / ``forward``.
 
-Imports between the submodules (acyclic, checked by tests/test_model_imports.py)::
+Imports between the submodules (acyclic, checked by tests/model/test_model_imports.py)::
 
   convert   -> api, config, loaders.orbax_io, tokenizer
   api       -> batch, config, forward, params, paths, loaders.{gguf_loader, hf, orbax_io}

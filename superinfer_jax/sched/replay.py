@@ -7,7 +7,7 @@ SHA-256 of everything the scheduler decided: every ``StepPlan`` field (each ``Sc
 table, the three copy lists column by column, the request-id lists, the counters), the ids each
 ``on_step_done`` finished, and the final ``totals``. Equal hashes before and after a change mean the plans
 are identical, including block ids and tie-breaking; ``scripts/bench_scheduler.py --plan_hashes`` prints
-them and ``tests/test_sched_replay.py`` pins them.
+them and ``tests/sched/test_sched_replay.py`` pins them.
 
 Scenarios (``SCENARIOS``; each drives the paths the others do not):
   * ``bench``: ``bench_scheduler.py``'s workload at a smaller scale: constant live count (finished requests

@@ -29,7 +29,7 @@ slot speed), but written only by this module's transitions, each of which checks
 (any live state -> FINISHED / ABORTED), and the token accounting of a step: ``record_scheduled`` (a
 dispatched step computes tokens and samples) and ``token_done`` (a sampled token came back). The two
 queue-handle fields ``_qentry`` and ``queued_demand`` belong to ``sched/queue.py`` (``FIELD_WRITERS``).
-``tests/sched/test_ownership.py`` runs the scheduler with every other writer refused.
+``tests/sched/test_sched_ownership.py`` runs the scheduler with every other writer refused.
 """
 from __future__ import annotations
 

@@ -45,8 +45,8 @@ Step structure (each policy composes these; see ``policies/``)
 The step's operations (``step.py``, ``StepBuilder``): ``schedule()`` builds one ``StepBuilder`` per call,
 the policy acts only through it (``policy.schedule_step(step)``), and ``finalize`` closes the plan. Request
 state changes go through ``request.py``'s transitions; queue placement through ``pending.py``.
-``tests/sched/test_replay.py`` pins every policy's plans (``sched/replay.py``);
-``tests/sched/test_equivalence.py`` checks the fast paths against plain reference implementations.
+``tests/sched/test_sched_replay.py`` pins every policy's plans (``sched/replay.py``);
+``tests/sched/test_sched_equivalence.py`` checks the fast paths against plain reference implementations.
 
 Invariants (``check_invariants``, ``invariants.py``): every live request is in exactly one of running / waiting (WAITING or
 PREEMPTED) / rotary matching its state; RUNNING <=> resident in the block manager with

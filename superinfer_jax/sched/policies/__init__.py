@@ -57,7 +57,7 @@ Algorithm 1 as written (a waiting/rotary request has VLT >= 0 thanks to ReLU and
 request, whose VLT < 0 once it has run for any time); the victim is the tail of L, i.e. the longest-running
 request, and a request that entered RUNNING this instant (VLT = 0) is never a victim. Under contention this
 rotates up to B_xfer blocks per step (the paper's "(H)" ablation, TBT collapse without DuplexKV, is
-consistent with that). ``tests/test_sched.py::test_conceptual_example_longest_running_rotates_out`` works
+consistent with that). ``tests/sched/test_sched.py::test_conceptual_example_longest_running_rotates_out`` works
 the example through.
 """
 from __future__ import annotations

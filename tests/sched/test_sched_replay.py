@@ -1,0 +1,115 @@
+"""The plan-hash check: every policy over every replay scenario (``sched/replay.py``) makes exactly the plans
+it made when ``tests/fixtures/sched_plan_hashes.json`` was recorded (block ids and tie-breaking included).
+
+A change meant to be behaviour-preserving (an optimisation) must leave the hashes alone. A deliberate change
+of what a policy decides re-records them with
+``python scripts/bench_scheduler.py --plan_hashes > tests/fixtures/sched_plan_hashes.json`` and says so.
+"""
+import dataclasses
+import gc
+import json
+import os
+import sys
+
+import pytest
+
+from superinfer_jax.sched import POLICIES
+from superinfer_jax.sched import replay
+from superinfer_jax.util import machine_description
+
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "sched_plan_hashes.json")
+STEPS = 400  # scripts/bench_scheduler.py --hash_steps default, with which the fixture was recorded
+
+
+def _pinned():
+  with open(FIXTURE) as f:
+    return json.load(f)
+
+
+def test_fixture_covers_every_policy_and_scenario():
+  pinned = _pinned()
+  assert sorted(pinned) == sorted(POLICIES)
+  for p in pinned:
+    assert sorted(pinned[p]) == sorted(replay.SCENARIOS), p
+
+
+@pytest.mark.parametrize("scenario", sorted(replay.SCENARIOS))
+def test_plans_unchanged(scenario):
+  pinned = _pinned()
+  got = replay.plan_hashes(sorted(POLICIES), [scenario], STEPS)
+  assert {p: got[p][scenario] for p in got} == {p: pinned[p][scenario] for p in pinned}
+
+
+def test_hash_sees_a_changed_decision():
+  """The fingerprint is sensitive: a pool one block smaller, or a smaller B_xfer, changes the hash; and
+  one field of one plan changes its fingerprint."""
+  sc = replay.SCENARIOS["bench"]
+  base = replay.run_scenario("rotasched", sc, 60)
+  assert replay.run_scenario("rotasched", sc, 60) == base  # deterministic
+  smaller = dataclasses.replace(sc, device_blocks=sc.device_blocks - 1)
+  assert replay.run_scenario("rotasched", smaller, 60) != base
+  tighter = dataclasses.replace(sc, config={**sc.config, "proactive_swap_budget": 100})
+  assert replay.run_scenario("rotasched", tighter, 60) != base
+  rp = replay.Replay("rotasched", sc)
+  plan = rp.schedule()
+  before = replay.plan_fingerprint(plan)
+  plan.scheduled[-1].block_table[-1] += 1
+  assert replay.plan_fingerprint(plan) != before
+
+
+def test_replay_keeps_invariants():
+  for name, sc in replay.SCENARIOS.items():
+    if name != "bench_1k":
+      replay.run_scenario("rotasched", sc, 120, check_every=10)
+
+
+def test_bench_scheduler_times_both_policies_and_reports_the_ratio():
+  import subprocess
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  out = subprocess.run(
+      [sys.executable, os.path.join(root, "scripts", "bench_scheduler.py"), "--policy=rotasched",
+       "--num_requests=60", "--device_blocks=256", "--steps=12", "--warmup=3", "--repeats=2", "--chunk=5",
+       "--rewarm=1", "--count_opcodes=2"],
+      check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root}).stdout
+  rows = [json.loads(line) for line in out.splitlines()]
+  assert [r["policy"] for r in rows[:-1]] == ["rotasched", "fcfs", "rotasched", "fcfs"]
+  assert [r["seed"] for r in rows[:-1]] == [0, 0, 1, 1]
+  summary = rows[-1]
+  assert summary["baseline"] == "fcfs" and len(summary["p99_ratios"]) == 2
+  # chunks of 5, 5 and 2 steps, the first (--rewarm=1) of each untimed: 9 timed steps per run, 18 per policy pooled
+  assert [r["steps"] for r in rows[:-1]] == [9] * 4 and summary["samples"] == 18
+  best = {p: min(r["p99_ms"] for r in rows[:-1] if r["policy"] == p) for p in ("rotasched", "fcfs")}
+  assert summary["best_p99_ratio"] == round(best["rotasched"] / best["fcfs"], 3)
+  assert summary["opcodes_per_step"] > 0 and summary["baseline_opcodes_per_step"] > 0
+  assert summary["opcode_ratio"] == pytest.approx(
+      summary["opcodes_per_step"] / summary["baseline_opcodes_per_step"], abs=1e-3)
+  ratio = summary["p99_ms"] / summary["baseline_p99_ms"]  # p99s rounded to 0.1 us
+  assert abs(summary["p99_ratio"] - ratio) < 1e-2 * ratio
+  # the pooled p99 (index int(0.99 * 18) = 17: the largest) is the largest per-run p99 of that policy here
+  worst = {p: max(r["p99_ms"] for r in rows[:-1] if r["policy"] == p) for p in ("rotasched", "fcfs")}
+  assert summary["p99_ms"] == worst["rotasched"] and summary["baseline_p99_ms"] == worst["fcfs"]
+  assert summary["median_round_p99_ratio"] in summary["p99_ratios"]
+  assert summary["machine"] == machine_description()  # the ratio depends on the box: the row says which
+  # the same seed replays the same plans (the plan hash is of the workload, not of the timing)
+  again = replay.Replay("rotasched", replay.Scenario(
+      device_blocks=256, host_blocks=8 * 256, block_size=16, num_requests=60, prompt_len=(32, 1024),
+      max_tokens=(32, 512), config=dict(max_num_seqs=256, max_num_batched_tokens=8192)), 0)
+  for _ in range(15):
+    again.complete(again.schedule())
+  assert again.hexdigest() == rows[0]["plan_hash"]
+
+
+def test_opcode_count_is_deterministic_and_sees_the_rotation_work():
+  sc = replay.SCENARIOS["bench"]
+  rot = replay.schedule_opcodes("rotasched", sc, warmup=30, steps=4)
+  assert rot == replay.schedule_opcodes("rotasched", sc, warmup=30, steps=4)  # a fresh replay counts the same
+  fcfs = replay.schedule_opcodes("fcfs", sc, warmup=30, steps=4)
+  assert 0 < fcfs < rot  # under contention rotasched also rotates requests out and in
+
+  def three():
+    return sum([1, 2])
+
+  # a frame's own instructions and its callees' are counted; the tracer is removed afterwards
+  result, n = replay.count_opcodes(three)
+  assert result == 3 and n > 0 and replay.count_opcodes(lambda: three() + three())[1] > 2 * n - 1
+  assert sys.gettrace() is None and gc.isenabled()  # the tracer is gone and the GC runs again
