@@ -246,6 +246,11 @@ def main(argv):
   vocab = FLAGS.vocab_size or vocab or 32000
   if FLAGS.endpoint == "chat" and spec.dataset == "synthetic":
     raise app.UsageError("--endpoint=chat needs a text dataset (synthetic prompts are token ids)")
+  if spec.dataset == "sharegpt_multiturn":
+    # Its later turns are released by earlier turns' finishes (workload.closed_loop.ArrivalQueue), which this
+    # open-loop client does not do yet: refuse rather than send every turn at its conversation's start.
+    raise app.UsageError("--dataset=sharegpt_multiturn is a closed loop: run it with run_experiment.py or "
+                         "simulate.py; bench_serving.py sends open-loop arrivals only")
   os.makedirs(spec.output_dir, exist_ok=True)
   results_path = os.path.join(spec.output_dir, "results.jsonl")
   hardware = spec.hardware or f"http:{FLAGS.base_url}"

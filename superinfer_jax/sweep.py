@@ -17,6 +17,7 @@ from superinfer_jax.configtree import knob
 from superinfer_jax.metrics import plots as plots_lib
 from superinfer_jax.metrics.results import format_comparison_table
 from superinfer_jax.workload.arrivals import ARRIVAL_PROCESSES
+from superinfer_jax.workload.multiturn import THINK_TIME_DISTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +27,9 @@ class SweepSpec:
   Every field is also a flag of ``run_experiment.py`` (``configtree.define_flags(SweepSpec)``).
   """
   model: str = knob("smollm2-135m", "HF dir, .gguf, orbax dir, or smollm2-135m")
-  dataset: str = knob("sharegpt", "sharegpt | synthetic | path to a ShareGPT/LMSYS/trace file")
-  num_requests: int = knob(32, "requests per run")
+  dataset: str = knob("sharegpt", "sharegpt | sharegpt_multiturn (ShareGPT conversations, one closed-loop request "
+                                  "per turn) | synthetic | path to a ShareGPT/LMSYS/trace file")
+  num_requests: int = knob(32, "requests per run (sharegpt_multiturn: conversations per run)")
   rps: str = knob("1", "comma list of request rates (requests/s); inf = all at once (ignored with "
                        "--calibrate, which derives one)")
   policies: str = knob("fcfs,rotasched", "comma list of scheduling policies; 'name[setting=value,...]' runs that "
@@ -42,6 +44,11 @@ class SweepSpec:
   min_output_len: int = knob(1, "drop requests with shorter outputs")
   synthetic_prompt_len: str = knob("uniform:16,256", "prompt length distribution (synthetic)")
   synthetic_output_len: str = knob("uniform:16,128", "output length distribution (synthetic)")
+  max_turns: int = knob(4, "sharegpt_multiturn: at most this many turns per conversation")
+  think_time_s: float = knob(1.0, "sharegpt_multiturn: a turn is submitted this long (s) after the previous "
+                                  "turn's last token")
+  think_time_dist: str = knob("fixed", "sharegpt_multiturn: think times equal to --think_time_s, or exponential "
+                                       "with that mean (seeded by --seed)", choices=THINK_TIME_DISTS)
   arrival_process: str = knob("poisson", "arrival process", choices=ARRIVAL_PROCESSES)
   burstiness: float = knob(1.0, "gamma burstiness (vLLM convention: shape = burstiness)")
   warmup: bool = knob(True, "compile the step shapes (and measure the step time) before the timed runs")
@@ -63,8 +70,10 @@ class SweepSpec:
   def __post_init__(self):
     if not self.policy_names:
       raise ValueError("no policies given")
-    if self.repeats < 1 or self.num_requests < 1:
-      raise ValueError("repeats and num_requests must be >= 1")
+    if self.repeats < 1 or self.num_requests < 1 or self.max_turns < 1:
+      raise ValueError("repeats, num_requests and max_turns must be >= 1")
+    if not self.think_time_s >= 0:
+      raise ValueError(f"think_time_s must be >= 0, got {self.think_time_s}")
     if any(not (r > 0) for r in self.rps_values):
       raise ValueError(f"rps values must be > 0 (inf allowed), got {self.rps}")
     if not self.drift_tolerance > 1.0 or not self.cpu_share_tolerance > 1.0:
@@ -80,7 +89,9 @@ class SweepSpec:
                          process=self.arrival_process, burstiness=self.burstiness, max_total_len=max_total_len,
                          max_prompt_len=self.max_prompt_len, max_output_len=self.max_output_len,
                          min_output_len=self.min_output_len, synthetic_prompt_len=self.synthetic_prompt_len,
-                         synthetic_output_len=self.synthetic_output_len, vocab_size=vocab_size)
+                         synthetic_output_len=self.synthetic_output_len, vocab_size=vocab_size,
+                         max_turns=self.max_turns, think_time_s=self.think_time_s,
+                         think_time_dist=self.think_time_dist)
 
   @property
   def policy_entries(self) -> list[str]:

@@ -130,6 +130,20 @@ def _calibrate(spec: SweepSpec, engine_config, base, warm_steps):
   return calibration, engine_config
 
 
+def _offered_rate(request_rps: float, base, progress: bool) -> float:
+  """The rate to offer for a calibrated ``request_rps`` (requests/s). A closed-loop workload (multi-turn: its
+  ``rps`` is the rate CONVERSATIONS start) gets ``request_rps`` x conversations / requests, so that it offers
+  about the calibrated request rate while every turn keeps up (its think times only lower the load)."""
+  if not getattr(base, "closed_loop", False):
+    return request_rps
+  n_conv = sum(r.after_request_id is None for r in base)
+  rate = float(f"{request_rps * n_conv / len(base):.4g}")
+  if progress:
+    print(f"[calibrate] closed loop: {n_conv} conversations, {len(base)} requests -> conversations start at "
+          f"{request_rps:.4g} x {n_conv}/{len(base)} = {rate:.4g} /s", flush=True)
+  return rate
+
+
 def _write_config(spec: SweepSpec, engine_config, cfg, *, hardware, rps_values, calibration, warm_step_s,
                   warm_cpu_share) -> None:
   """``<output_dir>/config.json``: the sweep as parsed, the engine settings, the model config, the loads run,
@@ -233,7 +247,7 @@ def run_sweep(spec: SweepSpec, engine_config, *, model_tuple=None,
   calibration = None
   if spec.calibrate:
     calibration, engine_config = _calibrate(spec, engine_config, base, warm_steps)
-    rps_values = [calibration.rps]
+    rps_values = [_offered_rate(calibration.rps, base, spec.progress)]
   ref_step = float(sorted(warm_steps)[len(warm_steps) // 2]) if warm_steps else None
   _write_config(spec, engine_config, cfg, hardware=hardware, rps_values=rps_values, calibration=calibration,
                 warm_step_s=ref_step, warm_cpu_share=warm_cpu_share)

@@ -6,6 +6,11 @@ client), ``ignore_eos=True``, greedy, and ``max_tokens`` = the workload's output
 benchmark setting, docs/paper.md §5). Between steps it records every output token's timestamp (as the engine
 stamped it) and every state change the engine reports in its outputs (running / rotary / preempted, at
 the time of the plan that made it; waiting at arrival; finished) into a ``TimelineRecorder``. When nothing is live it sleeps until the next arrival.
+
+Closed loop (a multi-turn workload, ``RequestSpec.after_request_id``): such a request is submitted only
+``think_time_s`` after the request it names has finished (the time of its last token), and that time is its
+arrival; ``workload.closed_loop.ArrivalQueue`` holds the rule. A request whose predecessor was refused is
+never submitted and is reported in ``rejected`` too.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from typing import Any, Optional, Sequence
 
 from superinfer_jax.metrics.timeline import RequestTimeline, TimelineRecorder
 from superinfer_jax.util import progress_bar
+from superinfer_jax.workload.closed_loop import ArrivalQueue
 
 
 @dataclasses.dataclass
@@ -75,17 +81,15 @@ def _diff(after: Optional[int], before: Optional[int]) -> Optional[int]:
   return None if after is None or before is None else after - before
 
 
-def _admit(engine, pending: Sequence[Any], nxt: int, t0: float, now: float, recorder: TimelineRecorder,
-           live: set[str], rejected: list[tuple[str, str]], bar) -> int:
-  """Adds ``pending[nxt:]`` that have arrived by ``now`` (``t0 + arrival_s``) to ``engine`` (greedy, exactly
-  ``output_len`` tokens) and to ``recorder``; a refused one (``ValueError``) goes to ``rejected`` and never
-  goes ``live``. Returns the index of the first request not yet arrived."""
+def _admit(engine, queue: ArrivalQueue, t0: float, now: float, recorder: TimelineRecorder,
+           live: set[str], rejected: list[tuple[str, str]], bar) -> None:
+  """Adds the requests of ``queue`` due by ``now`` (``t0`` + their due time, which is their arrival) to
+  ``engine`` (greedy, exactly ``output_len`` tokens) and to ``recorder``; a refused one (``ValueError``) goes
+  to ``rejected`` and never goes ``live``, and so do the requests that wait on it (never submitted)."""
   from superinfer_jax.engine.config import SamplingParams  # pylint: disable=import-outside-toplevel
-  while nxt < len(pending) and t0 + pending[nxt].arrival_s <= now:
-    spec = pending[nxt]
-    nxt += 1
+  for spec, due_s in queue.due(now - t0):
     rid = str(spec.request_id)
-    arrival = t0 + spec.arrival_s
+    arrival = t0 + due_s
     prompt = spec.prompt_token_ids if spec.prompt_token_ids is not None else spec.prompt
     recorder.add_request(rid, arrival, spec.prompt_len, target_output_len=spec.output_len,
                          source=getattr(spec, "source", "") or "")
@@ -95,16 +99,20 @@ def _admit(engine, pending: Sequence[Any], nxt: int, t0: float, now: float, reco
                          request_id=rid, arrival_time=arrival)
     except ValueError as e:  # RequestError: refused, recorded as never finished
       rejected.append((rid, str(e)))
+      dropped = queue.dropped(rid)
+      rejected.extend((str(d.request_id), f"never submitted: it comes after {rid}, which was refused")
+                      for d in dropped)
       if bar is not None:
-        bar.update(1)
+        bar.update(1 + len(dropped))
       continue
     live.add(rid)
-  return nxt
 
 
-def _record_outputs(outputs, recorder: TimelineRecorder, live: set[str], bar, now: float) -> float:
+def _record_outputs(outputs, recorder: TimelineRecorder, live: set[str], bar, now: float,
+                    queue: Optional[ArrivalQueue] = None, t0: float = 0.0) -> float:
   """Records one step's ``outputs`` (state changes, token times, finishes: a finish without a token time
-  at ``now``) and drops finished ids from ``live``. Returns the latest token time in them (-inf: none)."""
+  at ``now``), drops finished ids from ``live`` and reports each finish to ``queue`` (which releases the
+  requests waiting on it). Returns the latest token time in them (-inf: none)."""
   last = -math.inf
   for o in outputs:
     for t, state in o.state_changes:
@@ -114,8 +122,11 @@ def _record_outputs(outputs, recorder: TimelineRecorder, live: set[str], bar, no
         recorder.token(o.request_id, ts)
       last = max(last, o.timestamps[-1])
     if o.finished:
-      recorder.finish(o.request_id, o.timestamps[-1] if o.timestamps else now, o.finish_reason or "length")
+      t_fin = o.timestamps[-1] if o.timestamps else now
+      recorder.finish(o.request_id, t_fin, o.finish_reason or "length")
       live.discard(o.request_id)
+      if queue is not None:
+        queue.finished(o.request_id, t_fin - t0)
       if bar is not None:
         bar.update(1)
   return last
@@ -128,36 +139,40 @@ def replay_workload(engine, requests: Sequence[Any], *, desc: str = "replay", pr
   Args:
     engine: an ``LLMEngine`` (fresh, or at least idle).
     requests: specs with ``request_id``, ``prompt_token_ids`` (or ``prompt``), ``output_len``,
-      ``arrival_s`` (seconds after the start of the replay).
+      ``arrival_s`` (seconds after the start of the replay), optionally ``after_request_id`` and
+      ``think_time_s`` (closed loop: submitted that long after the named request finished).
     time_limit_s: stop (abort what is left) after this many seconds; unfinished requests stay in the
       timelines with ``finish_reason=None``.
   Returns a ``ReplayResult``; every request appears in ``timelines`` exactly once.
   """
   clock = engine.clock
-  pending = sorted(requests, key=lambda s: (s.arrival_s, str(s.request_id)))
+  queue = ArrivalQueue(requests)
   recorder = TimelineRecorder()
   rejected: list[tuple[str, str]] = []
   live: set[str] = set()
   compiled_before = _compilations(engine)
-  bar = progress_bar(len(pending), desc, progress)
+  bar = progress_bar(len(queue), desc, progress)
   load_start = loadavg_1m()
   timer = StepTimer()
   t0 = clock.now()
-  nxt = 0
   timed_out = False
   last_token_t = t0
-  while nxt < len(pending) or live:
+  while len(queue) or live:
     now = clock.now()
     if time_limit_s is not None and now - t0 > time_limit_s:
       timed_out = True
       break
-    nxt = _admit(engine, pending, nxt, t0, now, recorder, live, rejected, bar)
+    _admit(engine, queue, t0, now, recorder, live, rejected, bar)
     if not live:
-      if nxt < len(pending):
-        time.sleep(min(idle_sleep_max_s, max(0.0, t0 + pending[nxt].arrival_s - clock.now())))
+      nxt_s = queue.next_due_s()
+      if nxt_s is None:   # only requests waiting on one that never finished: cannot happen, never hang
+        rejected.extend((str(s.request_id), "never submitted: its predecessor did not finish")
+                        for s in queue.drain())
+        break
+      time.sleep(min(idle_sleep_max_s, max(0.0, t0 + nxt_s - clock.now())))
       continue
     outputs = timer.step(engine)
-    last_token_t = max(last_token_t, _record_outputs(outputs, recorder, live, bar, clock.now()))
+    last_token_t = max(last_token_t, _record_outputs(outputs, recorder, live, bar, clock.now(), queue, t0))
   if timed_out:
     for rid in list(live):
       engine.abort(rid)

@@ -1,66 +1,7 @@
-"""Chat prompts: the model's own chat template (Jinja, as HF renders it), else a documented fallback.
+"""Chat prompts for the server: the renderer lives in ``superinfer_jax/model/chat_template.py`` (next to the
+tokenizer that carries the template), so the multi-turn workload (``workload/multiturn.py``) renders its
+prompts with the very same code; this module re-exports it under its old name."""
+from superinfer_jax.model.chat_template import (FALLBACK_TEMPLATE, ChatTemplateError, chat_template_of,
+                                                render_chat)
 
-``superinfer_jax.model.tokenizer.Tokenizer.chat_template`` holds the template the model files declare
-(``tokenizer_config.json`` / ``chat_template.jinja`` of an HF dir, ``tokenizer.chat_template`` of a GGUF,
-e.g. SmolLM2's ``<|im_start|>role ... <|im_end|>``). It is rendered the way transformers'
-``apply_chat_template`` does: a sandboxed Jinja environment with ``trim_blocks`` / ``lstrip_blocks``,
-``messages``, ``add_generation_prompt=True``, ``bos_token`` / ``eos_token`` and ``raise_exception``.
-
-A model without a template gets ``FALLBACK_TEMPLATE``: one line ``"<role>: <content>"`` per message and
-a final ``"assistant:"`` line to generate from::
-
-  system: You are terse.
-  user: Hi
-  assistant:
-"""
-from __future__ import annotations
-
-from typing import Any, Optional, Sequence
-
-FALLBACK_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                     "{% if add_generation_prompt %}assistant:{% endif %}")
-
-
-class ChatTemplateError(ValueError):
-  """The template failed to render these messages (e.g. it raised on an unsupported role)."""
-
-
-def _token_text(tokenizer: Any, token_id: Optional[int]) -> str:
-  if tokenizer is None or token_id is None:
-    return ""
-  backend = getattr(tokenizer, "backend", None)
-  if backend is not None:
-    return backend.id_to_token(int(token_id)) or ""
-  return ""
-
-
-def chat_template_of(tokenizer: Any) -> tuple[str, bool]:
-  """(template, is the model's own)."""
-  t = getattr(tokenizer, "chat_template", None)
-  if isinstance(t, str) and t.strip():
-    return t, True
-  return FALLBACK_TEMPLATE, False
-
-
-def render_chat(tokenizer: Any, messages: Sequence[dict], template: Optional[str] = None) -> str:
-  """The prompt text of ``messages`` ([{"role", "content"}]) under the model's template (or ``template``)."""
-  import jinja2  # pylint: disable=import-outside-toplevel
-  from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=import-outside-toplevel
-  if template is None:
-    template, _ = chat_template_of(tokenizer)
-
-  def raise_exception(msg):
-    raise ChatTemplateError(msg)
-
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-  env.globals["raise_exception"] = raise_exception
-  try:
-    tmpl = env.from_string(template)
-    eos_ids = getattr(tokenizer, "eos_ids", ()) or ()
-    return tmpl.render(messages=list(messages), add_generation_prompt=True,
-                       bos_token=_token_text(tokenizer, getattr(tokenizer, "bos_id", None)),
-                       eos_token=_token_text(tokenizer, eos_ids[0] if eos_ids else None))
-  except ChatTemplateError:
-    raise
-  except jinja2.TemplateError as e:
-    raise ChatTemplateError(f"the chat template failed: {e}") from None
+__all__ = ["FALLBACK_TEMPLATE", "ChatTemplateError", "chat_template_of", "render_chat"]

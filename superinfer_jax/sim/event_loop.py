@@ -17,7 +17,9 @@ is empty (first step, or a plan whose batch was dropped entirely) the iteration 
 dispatches, and the copies of that plan are fully exposed. A plan whose batch is empty is completed at once,
 as the engine does; the host then spends ``cost.empty_step_s``. When no request is live the clock jumps to
 the next arrival. Arrivals are added before each iteration (``experiment/workload_replay.py`` adds them between
-``engine.step()`` calls) with their scheduled time as the arrival time.
+``engine.step()`` calls) with their scheduled time as the arrival time; a closed-loop request (the next turn
+of a conversation, ``RequestSpec.after_request_id``) arrives ``think_time_s`` after its predecessor's last token,
+as in the replay (both read ``workload.closed_loop.ArrivalQueue``).
 
 The cost model is any object with ``step_time(seqs) -> s`` (the dispatched ``ScheduledSeq``s),
 ``transfer_time(blocks_out, blocks_in) -> s`` (D2H = swap-out + write-back blocks) and ``empty_step_s``;
@@ -36,6 +38,7 @@ from superinfer_jax.sched import Request, Scheduler, VirtualClock
 from superinfer_jax.sim import cost as cost_lib
 from superinfer_jax.sim import transfer as transfer_lib
 from superinfer_jax.util import progress_bar
+from superinfer_jax.workload.closed_loop import ArrivalQueue
 
 MAX_IDLE_PLANS = 100_000   # consecutive plans without work or tokens while requests are live -> stuck
 
@@ -108,12 +111,12 @@ class _SimRun:
   def __init__(self, sim: "Simulator", requests: Sequence[Any], progress: bool, desc: str):
     self.sim, self.sched, self.clock, self.cost = sim, sim.sched, sim.clock, sim.cost
     self.wall0 = time.perf_counter()
-    self.pending = sorted(requests, key=lambda s: (s.arrival_s, str(s.request_id)))
+    self.queue = ArrivalQueue(requests)   # open-loop arrivals, and closed-loop turns released by finishes
     self.t0 = self.clock.now()
     self.rec = TimelineRecorder()
     self.live: set = set()
     self.rejected: list[tuple[str, str]] = []
-    self.bar = progress_bar(len(self.pending), desc, progress)
+    self.bar = progress_bar(len(self.queue), desc, progress)
     self.c = dict(plans=0, model_steps=0, rotations_out=0, rotations_in=0, blocks_out=0, blocks_writeback=0,
                   blocks_in=0, recompute_preemptions=0, round_trips=0, contended_steps=0, kv_contended_steps=0,
                   dropped_seqs=0,
@@ -122,28 +125,27 @@ class _SimRun:
     self.occupancy: list[float] = []
     self.kv_demand: list[float] = []
     self.pool = self.sched.stats().device_blocks
-    self.nxt, self.link_free, self.last_token, self.idle = 0, self.t0, self.t0, 0
+    self.link_free, self.last_token, self.idle = self.t0, self.t0, 0
 
   def arrivals(self, now: float) -> None:
-    """Adds every pending request that has arrived by ``now`` (s) to the scheduler and the recorder; one
-    the scheduler refuses (``ValueError``) is recorded in ``rejected`` and never goes live."""
-    i, pending = self.nxt, self.pending
-    while i < len(pending) and self.t0 + pending[i].arrival_s <= now:
-      spec = pending[i]
-      i += 1
+    """Adds every request due by ``now`` (s) to the scheduler and the recorder; one the scheduler refuses
+    (``ValueError``) is recorded in ``rejected`` and never goes live, nor do the requests waiting on it."""
+    for spec, due_s in self.queue.due(now - self.t0):
       rid = str(spec.request_id)
-      arrival = self.t0 + spec.arrival_s
+      arrival = self.t0 + due_s
       self.rec.add_request(rid, arrival, spec.prompt_len, target_output_len=spec.output_len,
                            source=getattr(spec, "source", "") or "")
       try:
         self.sched.add_request(Request(rid, spec.prompt_len, spec.output_len, arrival))
       except ValueError as e:
         self.rejected.append((rid, str(e)))
+        dropped = self.queue.dropped(rid)
+        self.rejected.extend((str(d.request_id), f"never submitted: it comes after {rid}, which was refused")
+                             for d in dropped)
         if self.bar is not None:
-          self.bar.update(1)
+          self.bar.update(1 + len(dropped))
         continue
       self.live.add(rid)
-    self.nxt = i
 
   def planned(self, plan) -> float:
     """Bookkeeping of a fresh plan (state changes at plan time, counters, occupancy); returns its copy
@@ -216,6 +218,7 @@ class _SimRun:
     for rid in done:
       self.rec.finish(rid, t, "length")
       self.live.discard(rid)
+      self.queue.finished(rid, t - self.t0)
     if done and self.bar is not None:
       self.bar.update(len(done))
     self.sched.pop_finished()
@@ -332,9 +335,10 @@ class Simulator:
         st.arrivals(now)
         if inflight is None:
           if not st.live:
-            if st.nxt >= len(st.pending):
+            nxt_s = st.queue.next_due_s()
+            if nxt_s is None:   # nothing left (or only turns of a refused request's conversation)
               break
-            clock.set(max(now, t0 + st.pending[st.nxt].arrival_s))
+            clock.set(max(now, t0 + nxt_s))
             continue
           inflight = st.first_step(now)
           if inflight is None:

@@ -127,6 +127,13 @@ class CountingTokenizer:
   def decode(self, ids, **kwargs) -> str:
     return self.tokenizer.decode(ids, **kwargs)
 
+  def __getattr__(self, name):
+    """Everything else (``chat_template``, ``bos_id``, ``eos_ids``, ``backend``: what the multi-turn
+    workload's chat template reads) is the wrapped tokenizer's."""
+    if name == "tokenizer":
+      raise AttributeError(name)
+    return getattr(self.tokenizer, name)
+
 
 _TOKENIZERS: dict[str, tuple[CountingTokenizer, bool]] = {}   # model -> (tokenizer, is the stand-in)
 

@@ -1,5 +1,6 @@
-"""Workloads: datasets (ShareGPT, LMSYS-style JSONL, SuperInfer/LTR traces, synthetic), recorded CSV traces
-(Azure LLM inference, Splitwise: ``traces.py``) and arrivals.
+"""Workloads: datasets (ShareGPT, LMSYS-style JSONL, SuperInfer/LTR traces, synthetic), multi-turn ShareGPT
+conversations as a closed loop (``multiturn.py``, ``closed_loop.py``), recorded CSV traces (Azure LLM
+inference, Splitwise: ``traces.py``), arrivals, and the prefix reuse prompts allow (``prompt_reuse.py``).
 
 Numpy and the standard library only (no JAX). Typical use::
 
@@ -12,9 +13,14 @@ Numpy and the standard library only (no JAX). Typical use::
 from superinfer_jax.workload.arrivals import (ARRIVAL_PROCESSES, CONVENTIONS, SUPERINFER, VLLM, arrival_times,
                                               gamma_arrivals, gamma_shape_scale, poisson_arrivals)
 from superinfer_jax.workload.builder import make_workload
+from superinfer_jax.workload.closed_loop import ArrivalQueue
 from superinfer_jax.workload.datasets import (PromptPair, TruncatedFileInfo, build_workload,
                                               dataset_pairs, detect_format, iter_json_array,
                                               load_dataset, lmsys_pairs, sharegpt_pairs, trace_pairs)
+from superinfer_jax.workload.multiturn import (MULTITURN_DATASET, Conversation, MultiturnInfo,
+                                               build_multiturn_workload, sharegpt_conversations,
+                                               with_conversation_starts)
+from superinfer_jax.workload.prompt_reuse import prefix_reuse_bound
 from superinfer_jax.workload.synthetic import LengthDist, synthetic_workload
 from superinfer_jax.workload.traces import (TRACE_COLUMNS, TraceError, TraceInfo, detect_trace_format,
                                             load_trace, read_trace, rescale_to_rps)
@@ -27,5 +33,6 @@ __all__ = [
     "detect_format", "iter_json_array", "load_dataset", "lmsys_pairs", "sharegpt_pairs", "trace_pairs",
     "LengthDist", "synthetic_workload", "make_workload", "RequestSpec", "Workload", "filter_requests",
     "TRACE_COLUMNS", "TraceError", "TraceInfo", "detect_trace_format", "load_trace", "read_trace",
-    "rescale_to_rps",
+    "rescale_to_rps", "ArrivalQueue", "MULTITURN_DATASET", "Conversation", "MultiturnInfo",
+    "build_multiturn_workload", "sharegpt_conversations", "with_conversation_starts", "prefix_reuse_bound",
 ]

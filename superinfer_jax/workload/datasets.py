@@ -13,6 +13,8 @@ Formats:
   * LMSYS-Chat-1M-style JSONL: one ``{"conversation_id", "conversation": [{"role", "content"}], ...}`` per
     line; prompt = first user turn, reference = the first assistant turn after it. Lines holding a
     ShareGPT-style ``"conversations"`` list are accepted too.
+  * ``sharegpt_multiturn``: the package's ShareGPT file as multi-turn conversations, one closed-loop request
+    per turn (``workload/multiturn.py``); ``load_dataset`` builds it (it is no list of PromptPairs).
   * SuperInfer/LTR trace JSONL (``LLM-ltr/Llama3-Trace``, e.g. ``llama3-8b-sharegpt-test-t1-s0-8192.jsonl``):
     one ``{"prompt", "generated", ...}`` per line; output length = tokenized length of ``generated`` under
     the served model's tokenizer (docs/paper.md §5). Requests keep trace order unless shuffled.
@@ -29,6 +31,8 @@ from typing import Any, Iterable, Iterator
 
 from superinfer_jax.model.tokenizer import encode_text
 from superinfer_jax.workload.types import RequestSpec, Workload, _keep
+
+MULTITURN_DATASET = "sharegpt_multiturn"   # the name workload/multiturn.py builds (kept equal there)
 
 _HUMAN = ("human", "user")
 _ASSISTANT = ("gpt", "chatgpt", "assistant", "bard", "bing", "model")
@@ -199,6 +203,9 @@ def dataset_pairs(dataset: str, fmt: str | None = None) -> Iterator[PromptPair]:
   """PromptPairs of ``dataset``: 'sharegpt' (the package file) or a path (format auto-detected)."""
   if dataset == "sharegpt":
     return sharegpt_pairs(None)
+  if dataset == MULTITURN_DATASET:
+    raise ValueError(f"{MULTITURN_DATASET!r} is a closed-loop workload of conversations, not prompt pairs: build "
+                     "it with load_dataset or make_workload")
   if not os.path.isfile(dataset):
     raise FileNotFoundError(f"dataset {dataset!r} is neither 'sharegpt' nor an existing file")
   fmt = fmt or detect_format(dataset)
@@ -260,7 +267,20 @@ def load_dataset(dataset: str, tokenizer: Any, *, fmt: str | None = None, **kwar
   """``build_workload(dataset_pairs(dataset, fmt), tokenizer, **kwargs)``, named after the dataset.
 
   Trace files default to ``shuffle=False`` (requests are taken sequentially, as SuperInfer does).
+  ``sharegpt_multiturn``: ``multiturn.build_multiturn_workload(sharegpt_conversations(), ...)`` with
+  ``num_requests`` read as the number of CONVERSATIONS (each up to ``max_turns`` requests); the other
+  keywords are that function's (the min_* length filters of single-turn datasets are refused).
   """
+  if dataset == MULTITURN_DATASET:
+    from superinfer_jax.workload import multiturn  # pylint: disable=import-outside-toplevel
+    if kwargs.pop("min_prompt_len", 1) != 1 or kwargs.pop("min_output_len", 1) != 1:
+      raise ValueError(f"{MULTITURN_DATASET}: min_prompt_len / min_output_len are not supported")
+    kwargs.pop("keep_token_ids", None)
+    if "num_requests" in kwargs:
+      kwargs["num_conversations"] = kwargs.pop("num_requests")
+    min_turns = kwargs.get("min_turns", 2)
+    return multiturn.build_multiturn_workload(multiturn.sharegpt_conversations(min_exchanges=min_turns),
+                                              tokenizer, **kwargs)
   fmt = fmt or ("sharegpt" if dataset == "sharegpt" else detect_format(dataset))
   kwargs.setdefault("shuffle", fmt != "trace")
   kwargs.setdefault("name", "sharegpt" if dataset == "sharegpt" else os.path.basename(dataset))

@@ -6,8 +6,17 @@ the arrival time (seconds from the start of the run). A ``Workload`` is an order
 Invariants (checked in ``RequestSpec.__post_init__``):
   * ``prompt_len >= 1`` and ``output_len >= 1`` (tokens);
   * ``prompt_token_ids`` is ``None`` or has exactly ``prompt_len`` ids;
-  * ``arrival_s >= 0`` (seconds, relative to the run's start).
+  * ``arrival_s >= 0`` (seconds, relative to the run's start);
+  * ``think_time_s`` is finite and >= 0, and non-zero only with an ``after_request_id`` (not its own id).
 A ``Workload`` built by ``with_arrivals`` has non-decreasing arrival times.
+
+Closed-loop requests (multi-turn conversations, ``workload/multiturn.py``): a spec with ``after_request_id``
+is submitted only once that request has FINISHED (its last token), ``think_time_s`` later; its arrival is
+that submission time. Its own ``arrival_s`` is then only a lower bound (the conversation's start) that
+keeps a workload's order non-decreasing. A ``Workload`` checks that every ``after_request_id`` names a
+request listed earlier in it (so there is no cycle). ``workload/closed_loop.py`` (``ArrivalQueue``) is the
+one place that turns these fields into submission times (the real-engine replay and the simulator use it);
+every other workload leaves both fields at their defaults (None, 0.0).
 
 Pure Python + numpy, no JAX. Text is tokenized by ``superinfer_jax.model.tokenizer.encode_text``.
 """
@@ -32,6 +41,10 @@ class RequestSpec:
     arrival_s: arrival time in seconds since the start of the run.
     prompt_token_ids: the prompt's token ids, or None when only the text is kept.
     source: where the request came from (dataset name/record id), free-form.
+    after_request_id: None (an open-loop request, submitted at ``arrival_s``), or the id of the request
+      whose finish releases this one (closed loop: the previous turn of a conversation).
+    think_time_s: with ``after_request_id``: seconds between that request's finish and this one's
+      submission (the user's think time; 0 = at once).
   """
   request_id: str
   prompt: str
@@ -40,6 +53,8 @@ class RequestSpec:
   arrival_s: float = 0.0
   prompt_token_ids: tuple[int, ...] | None = None
   source: str = ""
+  after_request_id: str | None = None
+  think_time_s: float = 0.0
 
   def __post_init__(self):
     if self.prompt_len < 1:
@@ -48,6 +63,16 @@ class RequestSpec:
       raise ValueError(f"{self.request_id}: output_len must be >= 1, got {self.output_len}")
     if self.arrival_s < 0 or not np.isfinite(self.arrival_s):
       raise ValueError(f"{self.request_id}: arrival_s must be finite and >= 0, got {self.arrival_s}")
+    if not (np.isfinite(self.think_time_s) and self.think_time_s >= 0):
+      raise ValueError(f"{self.request_id}: think_time_s must be finite and >= 0, got {self.think_time_s}")
+    if self.after_request_id is None:
+      if self.think_time_s != 0:
+        raise ValueError(f"{self.request_id}: think_time_s={self.think_time_s} needs an after_request_id")
+    elif not isinstance(self.after_request_id, str) or not self.after_request_id:
+      raise ValueError(f"{self.request_id}: after_request_id must be a non-empty string or None, got "
+                       f"{self.after_request_id!r}")
+    elif self.after_request_id == self.request_id:
+      raise ValueError(f"{self.request_id}: a request cannot come after itself")
     if self.prompt_token_ids is not None:
       if not isinstance(self.prompt_token_ids, tuple):
         object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
@@ -102,6 +127,12 @@ class Workload(Sequence[RequestSpec]):
     ids = [r.request_id for r in self._requests]
     if len(set(ids)) != len(ids):
       raise ValueError("duplicate request ids in workload")
+    seen: set = set()
+    for r in self._requests:
+      if r.after_request_id is not None and r.after_request_id not in seen:
+        raise ValueError(f"{r.request_id}: after_request_id {r.after_request_id!r} is not a request listed "
+                         "before it in the workload")
+      seen.add(r.request_id)
 
   def __len__(self) -> int:
     return len(self._requests)
@@ -120,6 +151,12 @@ class Workload(Sequence[RequestSpec]):
   @property
   def requests(self) -> tuple[RequestSpec, ...]:
     return self._requests
+
+  @property
+  def closed_loop(self) -> bool:
+    """Whether some request waits on another's finish (``after_request_id``): such a workload must be
+    replayed through ``closed_loop.ArrivalQueue`` (the real-engine replay and the simulator do)."""
+    return any(r.after_request_id is not None for r in self._requests)
 
   def take(self, n: int) -> "Workload":
     """The first ``n`` requests (all of them if fewer)."""
