@@ -1,5 +1,6 @@
-"""Workloads: datasets (ShareGPT, LMSYS-style JSONL, SuperInfer/LTR traces, synthetic), recorded CSV traces
-(Azure LLM inference, Splitwise: ``traces.py``) and arrivals.
+"""Workloads: datasets (ShareGPT, LMSYS-style JSONL, SuperInfer/LTR traces, synthetic), recorded traces
+(Azure LLM inference and Splitwise CSV, Mooncake JSONL with prefix-reuse block ids: ``traces.py``; the ids at
+the engine's block size and the reuse bound: ``reuse.py``) and arrivals.
 
 Numpy and the standard library only (no JAX). Typical use::
 
@@ -16,6 +17,7 @@ from superinfer_jax.workload.datasets import (PromptPair, TruncatedFileInfo, bui
                                               dataset_pairs, detect_format, iter_json_array,
                                               load_dataset, lmsys_pairs, sharegpt_pairs, trace_pairs)
 from superinfer_jax.workload.synthetic import LengthDist, synthetic_workload
+from superinfer_jax.workload.reuse import expand_block_ids, reuse_bound
 from superinfer_jax.workload.traces import (TRACE_COLUMNS, TraceError, TraceInfo, detect_trace_format,
                                             load_trace, read_trace, rescale_to_rps)
 from superinfer_jax.workload.types import RequestSpec, Workload, filter_requests
@@ -27,5 +29,5 @@ __all__ = [
     "detect_format", "iter_json_array", "load_dataset", "lmsys_pairs", "sharegpt_pairs", "trace_pairs",
     "LengthDist", "synthetic_workload", "make_workload", "RequestSpec", "Workload", "filter_requests",
     "TRACE_COLUMNS", "TraceError", "TraceInfo", "detect_trace_format", "load_trace", "read_trace",
-    "rescale_to_rps",
+    "rescale_to_rps", "expand_block_ids", "reuse_bound",
 ]
