@@ -12,7 +12,9 @@ config tree (``engine.config.EngineConfig``: pools, pipeline, --transfer_mode, -
 and the simulator's own (``sim.config.SimConfig``: --model_profile, --swap_bandwidth_gbps,
 --fixed_step_s, --trace, --trace_arrivals, --length_scale); the simulated TP degree is the engine's
 --tensor_parallel_size. ``--trace PATH`` replays an Azure LLM
-inference or Splitwise CSV (arrivals and lengths; format from the header) instead of --dataset. Defaults
+inference or Splitwise CSV (arrivals and lengths; format from the header) or a Mooncake JSONL (with its
+prefix-reuse block ids; ``--trace=mooncake`` is the packaged one) instead of --dataset, requests over the
+context handled by --trace_context_rule (drop | clip, counted). Defaults
 that differ from run_experiment.py (the paper's GPU setting, docs/paper.md §2.2 / §5): --model=llama-3-8b,
 --dtype=bfloat16, --num_device_blocks=0 (size the pool from the profile's HBM), --num_host_blocks=-1 with
 --host_gib=400, --max_num_seqs=16384 and --max_num_batched_tokens=16384. --calibrate is ignored (nothing is

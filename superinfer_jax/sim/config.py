@@ -36,15 +36,21 @@ class SimConfig:
       0.0, "override of the host link: scale its curves so the per-direction plateau is this many GB/s "
            "(the duplex cap scales alike; 0: the profile's)")
   trace: Optional[str] = knob(
-      None, "replay a recorded trace CSV instead of --dataset: Azure LLM inference "
-            "(TIMESTAMP,ContextTokens,GeneratedTokens) or Splitwise (arrived_at,num_prefill_tokens,"
-            "num_decode_tokens), told apart by the header, or a packaged trace's name ('splitwise': the "
-            "Splitwise conversation trace in workload/data/); the first --num_requests requests within the "
+      None, "replay a recorded trace instead of --dataset: an Azure LLM inference CSV "
+            "(TIMESTAMP,ContextTokens,GeneratedTokens) or Splitwise CSV (arrived_at,num_prefill_tokens,"
+            "num_decode_tokens), told apart by the header, a Mooncake JSON-lines trace (timestamp ms, "
+            "input_length, output_length, hash_ids), or a packaged trace's name ('splitwise', 'mooncake': "
+            "the conversation traces in workload/data/); the first --num_requests requests within the "
             "length filters", none_as="")
   trace_arrivals: str = knob(
       "recorded", "with --trace: 'recorded' replays the trace's own arrival times (--rps is ignored; the "
                   "rows' rps is the trace's mean rate); 'rescale' stretches them to each --rps value, "
                   "keeping the burstiness", choices=("recorded", "rescale"))
+  trace_context_rule: str = knob(
+      "drop", "with --trace: a request whose prompt + output exceeds the model's context (or the device pool) "
+              "is 'drop'ped (before the window is taken) or 'clip'ped (the prompt keeps its first tokens and "
+              "their block ids); the count is printed and in the rows (trace_context_dropped / _clipped)",
+      choices=("drop", "clip"))
   length_scale: float = knob(
       1.0, "multiply every request's prompt and output length by this (rounded, clipped to the context): a "
            "length-scaled variant of --dataset or --trace (1: as loaded); the rows' length_scale")
@@ -55,12 +61,14 @@ class SimConfig:
     if self.model_profile is not None and (not isinstance(self.model_profile, str) or not self.model_profile):
       raise ValueError(f"SimConfig.model_profile must be None or a name / path, got {self.model_profile!r}")
     if self.trace is not None and (not isinstance(self.trace, str) or not self.trace):
-      raise ValueError(f"SimConfig.trace must be None or a CSV path, got {self.trace!r}")
+      raise ValueError(f"SimConfig.trace must be None or a trace path / name, got {self.trace!r}")
     v = self.length_scale
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
       raise ValueError(f"SimConfig.length_scale must be a finite number > 0, got {v!r}")
     if self.trace_arrivals not in ("recorded", "rescale"):
       raise ValueError(f"SimConfig.trace_arrivals must be 'recorded' or 'rescale', got {self.trace_arrivals!r}")
+    if self.trace_context_rule not in ("drop", "clip"):
+      raise ValueError(f"SimConfig.trace_context_rule must be 'drop' or 'clip', got {self.trace_context_rule!r}")
     for name in ("swap_bandwidth_gbps", "fixed_step_s"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:

@@ -100,13 +100,15 @@ def validate_variants(spec: SweepSpec, engine_config, sim_config: SimConfig) -> 
 def read_sim_trace(spec: SweepSpec, sim_config: SimConfig, max_total_len: Optional[int] = None):
   """(``Workload``, ``TraceInfo``) of ``--trace`` under the sweep's length filters: window ``--seed`` of
   ``--num_requests`` requests (seed k starts at request k x num_requests, so seeds are disjoint windows of
-  the trace; lengths only, no token ids). ``workload.TraceError`` (a ``ValueError``) for a bad file or a
-  window past the trace's end."""
+  the trace; lengths only, no token ids; a Mooncake trace's requests keep their ``block_ids``, so
+  ``RequestSpec.derived_block_ids(block_size)`` gives a prefix cache the engine's block hashes). Requests
+  over ``max_total_len`` follow ``--trace_context_rule`` (drop | clip, counted in the ``TraceInfo``).
+  ``workload.TraceError`` (a ``ValueError``) for a bad file or a window past the trace's end."""
   from superinfer_jax.workload.traces import read_trace  # pylint: disable=import-outside-toplevel
   return read_trace(sim_config.trace, num_requests=spec.num_requests, max_prompt_len=spec.max_prompt_len,
                     max_output_len=spec.max_output_len, min_output_len=spec.min_output_len,
-                    max_total_len=max_total_len, token_ids=False, seed=spec.seed,
-                    start=spec.seed * spec.num_requests)
+                    context_len=max_total_len, context_rule=sim_config.trace_context_rule, token_ids=False,
+                    seed=spec.seed, start=spec.seed * spec.num_requests)
 
 
 class CountingTokenizer:
@@ -161,10 +163,12 @@ def _workloads(spec: SweepSpec, sim_config: SimConfig, mcfg, max_len: int, log):
   """Where the sweep's requests come from: ``(rps values, workload_at(rps) -> Workload, time_scale)``. With
   ``sim_config.trace``, the trace (lengths scaled, at most ``max_len`` tokens) at its recorded arrivals (the
   one rps is its mean rate) or rescaled to each rps (``time_scale[rps]`` records the factor, filled as
-  ``workload_at`` is called); else ``spec``'s synthetic workload at each rps, lengths scaled."""
+  ``workload_at`` is called), ``trace_extra`` the context rule's counts for every row; else ``spec``'s
+  synthetic workload at each rps, lengths scaled."""
   rps_values = spec.rps_values
   scale = sim_config.length_scale
   time_scale: dict[float, float] = {}   # rps -> factor the trace's arrival times were multiplied by
+  trace_extra: dict[str, Any] = {}
   if sim_config.trace:
     from superinfer_jax.workload.traces import rescale_factor, rescale_to_rps  # pylint: disable=import-outside-toplevel
     trace_w, info = read_sim_trace(spec, sim_config, max_total_len=max_len)
@@ -172,6 +176,10 @@ def _workloads(spec: SweepSpec, sim_config: SimConfig, mcfg, max_len: int, log):
     log(f"[sim] trace {info.path} ({info.format}): {info.kept} requests of {info.rows} rows "
         f"({info.skipped_zero} with 0 tokens, {info.filtered} outside the length filters), "
         f"{info.duration_s:.1f} s recorded, mean {info.mean_rps:.3g} rps")
+    log(f"[sim] trace context rule {info.context_rule} at {info.context_len} tokens: {info.context_dropped} "
+        f"requests dropped, {info.context_clipped} clipped")
+    trace_extra = dict(trace_context_rule=info.context_rule, trace_context_len=info.context_len,
+                       trace_context_dropped=info.context_dropped, trace_context_clipped=info.context_clipped)
     if sim_config.trace_arrivals == "recorded":
       if spec.rps != SweepSpec.rps:
         log("[sim] --rps is ignored with --trace_arrivals=recorded (the trace's own arrivals are replayed)")
@@ -189,7 +197,7 @@ def _workloads(spec: SweepSpec, sim_config: SimConfig, mcfg, max_len: int, log):
     def workload_at(rps: float):
       w = spec.make_workload(tokenizer, rps, max_total_len=max_len, vocab_size=mcfg.vocab_size)
       return w.scale_lengths(scale, max_len)
-  return rps_values, workload_at, time_scale
+  return rps_values, workload_at, time_scale, trace_extra
 
 
 def run_sim_sweep(spec: SweepSpec, engine_config, sim_config: SimConfig, *, log=print,
@@ -209,7 +217,7 @@ def run_sim_sweep(spec: SweepSpec, engine_config, sim_config: SimConfig, *, log=
                 mcfg.max_position_embeddings,
                 base.engine_config.num_device_blocks * base.engine_config.block_size)
   scale = sim_config.length_scale
-  rps_values, workload_at, time_scale = _workloads(spec, sim_config, mcfg, max_len, log)
+  rps_values, workload_at, time_scale, trace_extra = _workloads(spec, sim_config, mcfg, max_len, log)
   if scale != 1.0:
     log(f"[sim] every prompt and output length is scaled by {scale:g} (--length_scale)")
 
@@ -235,6 +243,7 @@ def run_sim_sweep(spec: SweepSpec, engine_config, sim_config: SimConfig, *, log=
       row = _row(spec, setup, res, label, policy, variant, rps, run_index)
       if rps in time_scale:
         row["trace_time_scale"] = time_scale[rps]
+      row.update(trace_extra)
       row.update(row_tags or {})
       append_results_row(results_path, row)
       write_timelines(os.path.join(spec.output_dir, requests_filename(label, rps)), res.timelines)

@@ -1,6 +1,8 @@
 """Workloads: datasets (ShareGPT, LMSYS-style JSONL, SuperInfer/LTR traces, synthetic), multi-turn ShareGPT
-conversations as a closed loop (``multiturn.py``, ``closed_loop.py``), recorded CSV traces (Azure LLM
-inference, Splitwise: ``traces.py``), arrivals, and the prefix reuse prompts allow (``prompt_reuse.py``).
+conversations as a closed loop (``multiturn.py``, ``closed_loop.py``), recorded traces (Azure LLM inference
+and Splitwise CSV, Mooncake JSONL with prefix-reuse block ids: ``traces.py``; the ids at the engine's block
+size and a trace's reuse bound: ``reuse.py``), arrivals, and the prefix reuse prompts allow
+(``prompt_reuse.py``).
 
 Numpy and the standard library only (no JAX). Typical use::
 
@@ -22,6 +24,7 @@ from superinfer_jax.workload.multiturn import (MULTITURN_DATASET, Conversation, 
                                                with_conversation_starts)
 from superinfer_jax.workload.prompt_reuse import prefix_reuse_bound
 from superinfer_jax.workload.synthetic import LengthDist, synthetic_workload
+from superinfer_jax.workload.reuse import expand_block_ids, reuse_bound
 from superinfer_jax.workload.traces import (TRACE_COLUMNS, TraceError, TraceInfo, detect_trace_format,
                                             load_trace, read_trace, rescale_to_rps)
 from superinfer_jax.workload.types import RequestSpec, Workload, filter_requests
@@ -35,4 +38,5 @@ __all__ = [
     "TRACE_COLUMNS", "TraceError", "TraceInfo", "detect_trace_format", "load_trace", "read_trace",
     "rescale_to_rps", "ArrivalQueue", "MULTITURN_DATASET", "Conversation", "MultiturnInfo",
     "build_multiturn_workload", "sharegpt_conversations", "with_conversation_starts", "prefix_reuse_bound",
+    "expand_block_ids", "reuse_bound",
 ]

@@ -15,7 +15,7 @@ Each kept conversation becomes one request per turn:
     the recorded answer is prefilled like new input). Whether turn k's prompt is an exact TOKEN prefix of
     turn k+1's depends on the template and the tokenizer (a BPE merge across the boundary would break it);
     ``prompt_reuse.prefix_reuse_bound`` measures what is really shared, token by token. Under SmolLM2's
-    template it is an exact prefix for every turn of the default workload (tests/test_multiturn_workload.py).
+    template it is an exact prefix for every turn of the default workload (tests/workload/test_multiturn_workload.py).
   * **Output length of turn k** = the token count of the recorded answer ``assistant_k``, clipped to
     ``max_output_len`` (clipped, not dropped as the single-turn loader drops: dropping a turn would break its
     conversation).

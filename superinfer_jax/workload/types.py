@@ -8,6 +8,8 @@ Invariants (checked in ``RequestSpec.__post_init__``):
   * ``prompt_token_ids`` is ``None`` or has exactly ``prompt_len`` ids;
   * ``arrival_s >= 0`` (seconds, relative to the run's start);
   * ``think_time_s`` is finite and >= 0, and non-zero only with an ``after_request_id`` (not its own id).
+  * ``block_ids`` is ``None`` (no reuse information: every dataset and CSV trace) with ``block_ids_tokens == 0``,
+    or has exactly ``ceil(prompt_len / block_ids_tokens)`` ids (ints >= 0), ``block_ids_tokens >= 1``.
 A ``Workload`` built by ``with_arrivals`` has non-decreasing arrival times.
 
 Closed-loop requests (multi-turn conversations, ``workload/multiturn.py``): a spec with ``after_request_id``
@@ -45,6 +47,11 @@ class RequestSpec:
       whose finish releases this one (closed loop: the previous turn of a conversation).
     think_time_s: with ``after_request_id``: seconds between that request's finish and this one's
       submission (the user's think time; 0 = at once).
+    block_ids: the prompt's recorded block hash ids (the Mooncake trace: one per 512-token block, chained, so
+      equal leading ids mean an equal prefix), or None when the workload records no reuse. The engine's own
+      block hashes are ``derived_block_ids(block_size)`` (``workload.reuse.expand_block_ids``).
+    block_ids_tokens: the prompt tokens each of ``block_ids`` covers (512 for Mooncake; the last id covers
+      what is left); 0 when ``block_ids`` is None.
   """
   request_id: str
   prompt: str
@@ -55,6 +62,8 @@ class RequestSpec:
   source: str = ""
   after_request_id: str | None = None
   think_time_s: float = 0.0
+  block_ids: tuple[int, ...] | None = None
+  block_ids_tokens: int = 0
 
   def __post_init__(self):
     if self.prompt_len < 1:
@@ -79,6 +88,29 @@ class RequestSpec:
       if len(self.prompt_token_ids) != self.prompt_len:
         raise ValueError(f"{self.request_id}: {len(self.prompt_token_ids)} prompt_token_ids but "
                          f"prompt_len={self.prompt_len}")
+    if self.block_ids is None:
+      if self.block_ids_tokens != 0:
+        raise ValueError(f"{self.request_id}: block_ids_tokens={self.block_ids_tokens} without block_ids "
+                         "(0 when there are none)")
+    else:
+      if not isinstance(self.block_ids, tuple):
+        object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))
+      t = self.block_ids_tokens
+      if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+        raise ValueError(f"{self.request_id}: block_ids_tokens must be an int >= 1 with block_ids, got {t!r}")
+      want = -(-self.prompt_len // t)
+      if len(self.block_ids) != want:
+        raise ValueError(f"{self.request_id}: {len(self.block_ids)} block_ids but prompt_len={self.prompt_len} "
+                         f"needs ceil({self.prompt_len} / {t}) = {want}")
+
+  def derived_block_ids(self, block_size: int) -> tuple[int, ...] | None:
+    """The prompt's block hashes at the engine's ``block_size`` (``ceil(prompt_len / block_size)`` of them,
+    ``workload.reuse.expand_block_ids``), or None when the request records no reuse. Computed on each call,
+    not stored (a whole Mooncake trace at block size 16 is ~9M ids)."""
+    if self.block_ids is None:
+      return None
+    from superinfer_jax.workload.reuse import expand_block_ids  # pylint: disable=import-outside-toplevel
+    return expand_block_ids(self.block_ids, self.block_ids_tokens, self.prompt_len, block_size)
 
   @property
   def total_len(self) -> int:
@@ -89,6 +121,8 @@ class RequestSpec:
     d = dataclasses.asdict(self)
     if self.prompt_token_ids is not None:
       d["prompt_token_ids"] = list(self.prompt_token_ids)
+    if self.block_ids is not None:
+      d["block_ids"] = list(self.block_ids)
     return d
 
   @classmethod
@@ -97,6 +131,8 @@ class RequestSpec:
     kw = {k: v for k, v in d.items() if k in fields}
     if kw.get("prompt_token_ids") is not None:
       kw["prompt_token_ids"] = tuple(kw["prompt_token_ids"])
+    if kw.get("block_ids") is not None:
+      kw["block_ids"] = tuple(kw["block_ids"])
     return cls(**kw)
 
 
@@ -111,6 +147,13 @@ def filter_requests(requests: Iterable[RequestSpec], *, min_prompt_len: int = 1,
   """
   return [r for r in requests if _keep(r.prompt_len, r.output_len, min_prompt_len, max_prompt_len,
                                         min_output_len, max_output_len, max_total_len)]
+
+
+def clip_block_ids(block_ids: tuple[int, ...], block_ids_tokens: int, prompt_len: int) -> tuple[int, ...]:
+  """The leading ``ceil(prompt_len / block_ids_tokens)`` ids: those of a prompt cut to its first
+  ``prompt_len`` tokens (the last one may now cover only part of its block; the tokens it covers are the
+  recorded block's first ones, so every engine block inside them keeps its hash)."""
+  return tuple(block_ids[:-(-prompt_len // block_ids_tokens)])
 
 
 def _keep(p: int, o: int, min_p, max_p, min_o, max_o, max_total) -> bool:
@@ -182,7 +225,9 @@ class Workload(Sequence[RequestSpec]):
     """Every prompt and output length times ``factor`` (rounded, at least 1), for a length-scaled variant
     of a workload; arrivals and ids unchanged. With ``max_total_len`` a request is clipped to it (the
     output first, down to 1 token, then the prompt). Prompt token ids, if any, are repeated cyclically (or
-    cut) to the new length. ``factor == 1`` returns the workload itself."""
+    cut) to the new length. Block ids (``RequestSpec.block_ids``) follow a shortened prompt (its leading ids,
+    ``clip_block_ids``); a lengthened prompt has new tokens with no recorded ids, so it keeps none (None).
+    ``factor == 1`` returns the workload itself."""
     if not factor > 0 or not np.isfinite(factor):
       raise ValueError(f"length scale must be a finite number > 0, got {factor!r}")
     if factor == 1.0:
@@ -197,7 +242,11 @@ class Workload(Sequence[RequestSpec]):
       ids = None
       if r.prompt_token_ids is not None:
         ids = tuple(r.prompt_token_ids[i % r.prompt_len] for i in range(p))
-      return dataclasses.replace(r, prompt_len=p, output_len=o, prompt_token_ids=ids)
+      blocks = {}
+      if r.block_ids is not None:
+        blocks = (dict(block_ids=clip_block_ids(r.block_ids, r.block_ids_tokens, p)) if p <= r.prompt_len
+                  else dict(block_ids=None, block_ids_tokens=0))
+      return dataclasses.replace(r, prompt_len=p, output_len=o, prompt_token_ids=ids, **blocks)
 
     return self.map(scaled)
 
