@@ -30,9 +30,10 @@ def test_block_pool_fifo_take_release_and_compaction():
   assert p.head == 0 and p.ids.tolist() == [5, 6, 2]
   p.release([1])  # any iterable of ids
   assert p.free_ids() == [5, 6, 2, 1] and p.usage() == 1 - 4 / 6
+  assert p.take(5) is None and p.free_ids() == [5, 6, 2, 1]  # over-take: None, nothing changes
   with pytest.raises(ValueError):
-    p.take(5)  # over-take: nothing changes
-  assert p.free_ids() == [5, 6, 2, 1]
+    p.consume(5)
+  assert p.free_ids() == [5, 6, 2, 1] and p.head == 0
   assert p.ids[p.head:p.head + 2].tolist() == [5, 6]  # a hot path reads the head, then consumes it
   p.consume(2)
   assert p.free_ids() == [2, 1]
@@ -44,9 +45,7 @@ def test_block_pool_fifo_take_release_and_compaction():
   with pytest.raises(AssertionError):
     p.check()  # outside [1, 7)
   empty = BlockPool(0, 0, "i")
-  assert empty.num_free == 0 and empty.usage() == 1.0 and empty.take(0).tolist() == []
-  with pytest.raises(ValueError):
-    empty.take(1)
+  assert empty.num_free == 0 and empty.usage() == 1.0 and empty.take(0).tolist() == [] and empty.take(1) is None
 
 
 def test_pools_and_padding_block():

@@ -293,18 +293,19 @@ class BlockManager:
     if num_new_tokens < 0:
       raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
     if s is None:
-      need = blocks_for(num_new_tokens, self.block_size)
-      if need > self.device.num_free:
+      devs = self.device.take(blocks_for(num_new_tokens, self.block_size))
+      if devs is None:
         return False
       s = self.seqs[req_id] = SeqBlocks()
     else:
       if s.on_host:
         raise ValueError(f"append_slots on swapped-out request {req_id!r}; swap_in first")
-      need = blocks_for(s.num_tokens + num_new_tokens, self.block_size) - len(s.dev)
-      if need > self.device.num_free:
+      devs = self.device.take(blocks_for(s.num_tokens + num_new_tokens, self.block_size) - len(s.dev))
+      if devs is None:
         return False
-    if need > 0:
-      s.dev += self.device.take(need)
+    need = len(devs)
+    if need:
+      s.dev += devs
       s.host += no_block_ids(need)
       s.host_tokens += [0] * need
     s.num_tokens += num_new_tokens

@@ -56,9 +56,12 @@ class BlockPool:
       return 1.0
     return 1.0 - (len(self.ids) - self.head) / self.num_blocks
 
-  def take(self, n: int) -> array:
-    """Pops the ``n`` head ids of the free queue (a fresh array, head first). Raises if fewer are free."""
+  def take(self, n: int) -> array | None:
+    """Pops the ``n`` head ids of the free queue (a fresh array, head first); None, changing nothing, if
+    fewer than ``n`` are free (so a caller checks and takes with one call)."""
     head = self.head
+    if n > len(self.ids) - head:
+      return None
     out = self.ids[head:head + n]
     self.consume(n)
     return out

@@ -40,6 +40,7 @@ def swap_out_many(seqs: dict, device: BlockPool, host: BlockPool, queue: WriteBa
   hfree = host.ids
   hhead = host.head
   taken = 0  # host ids read from hfree[hhead:] and not yet consumed (BlockPool's contract)
+  freed = array(DEV_IDS)  # device ids given up, in order, not yet released to the pool
   done = mirrors = 0
   for req_id in req_ids:
     s = seqs[req_id]
@@ -48,8 +49,10 @@ def swap_out_many(seqs: dict, device: BlockPool, host: BlockPool, queue: WriteBa
     nhost = s.nhost  # its host blocks so far stop being mirrors of a resident request
     i = _fast_block(queue, req_id, s, bs)
     if i is None:
-      host.consume(taken)  # the general path takes host blocks through the pool
+      host.consume(taken)  # the general path takes and releases blocks through the pools: settle first
       taken = 0
+      device.release(freed)
+      del freed[:]
       moved = swap_out_general(queue, req_id, s, device, host, bs, out)
       hhead = host.head
       if moved is None:
@@ -73,12 +76,13 @@ def swap_out_many(seqs: dict, device: BlockPool, host: BlockPool, queue: WriteBa
       dsts.append(h)
     mirrors += nhost
     dev = s.dev
-    device.release(dev)
+    freed += dev
     del dev[:]  # in place: a swapped request keeps an empty device column
     s.num_tokens = s.num_computed
     s.on_host = True
     done += 1
   host.consume(taken)
+  device.release(freed)
   return done, len(srcs) - start, -mirrors
 
 
@@ -97,7 +101,7 @@ def _fast_block(queue: WriteBackQueue, req_id: ReqId, s: SeqBlocks, block_size: 
   n = len(s.host)
   if not s.nwb and tail and s.host_tokens[nfull] < tail and n == nfull + 1:
     return nfull
-  if s.nwb == 1 and not tail and n == nfull and nfull and (req_id, nfull - 1) in queue:
+  if s.nwb == 1 and not tail and n == nfull and nfull and (req_id, nfull - 1) in queue.entries:
     return nfull - 1
   if not s.nwb and not tail and n == nfull:
     return -1
@@ -147,11 +151,11 @@ def _copy_dirty(queue: WriteBackQueue, req_id: ReqId, s: SeqBlocks, host: BlockP
       for i in dirty:
         if ids[i] == NO_BLOCK:
           need_host += 1
-    if need_host > host.num_free:
+    new_ids = host.take(need_host)
+    if new_ids is None:
       return None
   queue.drop(req_id, s)
   if dirty:
-    new_ids = host.take(need_host) if need_host else []
     s.nhost += need_host
     dev = s.dev
     host_tokens = s.host_tokens
