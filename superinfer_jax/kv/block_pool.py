@@ -1,7 +1,8 @@
 """``BlockPool``: one tier's blocks (device or host) and its FIFO free queue.
 
 What goes in: the tier's id range (``first_id .. first_id + num_blocks - 1``) and the id typecode. What comes out:
-block ids, ``take(n)`` from the head of the free queue and ``release(ids)`` to its tail, in order. The device
+block ids, ``take(n)`` from the head of the free queue (all ``n`` or, when fewer are free, None and no change)
+and ``release(ids)`` to its tail, in order. The device
 pool is ``BlockPool(1, num_device_blocks, DEV_IDS)`` (``PADDING_BLOCK``, 0, is outside its range and so never
 handed out: ``kv/layout.py``); the host pool is ``BlockPool(0, num_host_blocks, HOST_IDS)``.
 
@@ -9,7 +10,7 @@ Ownership rule in force: every block off the free queue has exactly one owner, a
 of the block manager's per-request columns (``kv/block_seq.py``). The reference count is therefore implicit, 1
 off the free queue and 0 on it, and bulk take and release need no per-block bookkeeping. This class is where
 explicit reference counts and the cached-block LRU will live once prefix caching shares blocks between
-requests; nothing outside it keeps per-block allocation state.
+requests; no other per-block allocation state exists.
 
 The free queue is FIFO: ``release`` appends to the tail, ``take`` pops the head, so the ids handed out depend
 only on the sequence of takes and releases (the scheduler's plan hashes include every id). It is an
@@ -32,6 +33,7 @@ class BlockPool:
   """One tier's blocks and their FIFO free queue (see the module docstring).
 
   Attributes:
+    first_id: the pool's lowest id.
     num_blocks: the pool's size (every id ``first_id .. first_id + num_blocks - 1``).
     ids: ``array`` of the typecode given; the free queue is ``ids[head:]``, head first.
     head: index of the free queue's head in ``ids``.
