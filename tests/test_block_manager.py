@@ -385,7 +385,7 @@ def test_free_lists_stay_fifo_under_bulk_allocation(seed):
 
 
 @pytest.mark.parametrize("corrupt", ["double_owner", "lost_block", "free_list", "free_dup", "host_free_list",
-                                     "cover", "wb"])
+                                     "host_out_of_range", "cover", "wb"])
 def test_check_invariants_detects_corruption(corrupt):
   bm = BlockManager(6, 6, block_size=4)
   bm.append_slots("a", 8)
@@ -404,6 +404,8 @@ def test_check_invariants_detects_corruption(corrupt):
     bm.device.ids.append(bm.device.ids[-1])
   elif corrupt == "host_free_list":
     bm.host.ids.append(s.host[0])
+  elif corrupt == "host_out_of_range":
+    bm.host.ids.append(bm.num_host_blocks)
   elif corrupt == "cover":
     s.num_tokens = 9
   elif corrupt == "wb":
