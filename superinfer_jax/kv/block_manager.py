@@ -431,7 +431,8 @@ class BlockManager:
     s = self.seqs.pop(req_id, None)
     if s is None:
       return
-    self.writebacks.drop(req_id, s)
+    if s.nwb:
+      self.writebacks.drop(req_id, s)
     ids = s.host
     if not s.on_host:
       self._mirrors -= s.nhost

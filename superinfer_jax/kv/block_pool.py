@@ -18,10 +18,15 @@ only on the sequence of takes and releases (the scheduler's plan hashes include 
 ``memcpy``) and advances ``head``; a release is one ``extend``. When the consumed prefix reaches half the array
 it is deleted (amortized O(1) per block; the live queue's order never changes).
 
-Public fields (part of the contract, read-only outside this module): ``ids`` and ``head``. A hot path that
-takes blocks one request at a time may read ``ids[head + k]`` for ``k < num_free`` itself and then remove the
-``k`` blocks it used with one ``consume(k)``, instead of calling ``take`` per request; it must not write
-either field, and no ``take``, ``release`` or ``consume`` may come in between. Never touches KV data.
+Public fields (part of the contract): ``ids`` and ``head``, for the rotation hot paths, which move blocks one
+request at a time and would otherwise pay a call per request:
+
+* Taking: a caller may read ``ids[head + k]`` for ``k < num_free`` itself and then remove the ``k`` ids it used
+  with one ``consume(k)``; no ``take``, ``release`` or ``consume`` may come in between.
+* Releasing: a caller may extend ``ids`` in place with an ``array`` of the pool's typecode (``ids += dev``),
+  which is exactly ``release(dev)``.
+
+Nothing outside this module assigns either field or changes ``ids`` otherwise. Never touches KV data.
 """
 from __future__ import annotations
 
@@ -61,24 +66,24 @@ class BlockPool:
   def take(self, n: int) -> array | None:
     """Pops the ``n`` head ids of the free queue (a fresh array, head first); None, changing nothing, if
     fewer than ``n`` are free (so a caller checks and takes with one call)."""
-    head = self.head
-    if n > len(self.ids) - head:
-      return None
-    out = self.ids[head:head + n]
-    self.consume(n)
-    return out
-
-  def consume(self, n: int) -> None:
-    """Removes the ``n`` head ids of the free queue, which the caller has read from ``ids[head:head + n]``
-    (``take`` without the copy). Raises ValueError, changing nothing, if fewer than ``n`` are free."""
     ids = self.ids
-    end = self.head + n
+    head = self.head
+    end = head + n
     if end > len(ids) or n < 0:
-      raise ValueError(f"take {n} blocks: {len(ids) - self.head} free")
+      return None
+    out = ids[head:end]
     if end + end >= len(ids):  # the consumed prefix is at least half: compact
       del ids[:end]
       end = 0
     self.head = end
+    return out
+
+  def consume(self, n: int) -> None:
+    """Removes the ``n`` head ids of the free queue, which the caller has read from ``ids[head:head + n]``
+    itself (``take`` for a caller that needs no copy). Raises ValueError, changing nothing, if fewer than ``n``
+    are free."""
+    if self.take(n) is None:
+      raise ValueError(f"consume {n} blocks: {len(self.ids) - self.head} free")
 
   def release(self, ids: Iterable[int]) -> None:
     """Appends ``ids`` to the free queue's tail, in order (an ``array`` of the pool's typecode: one copy).

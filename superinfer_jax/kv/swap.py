@@ -38,9 +38,8 @@ def swap_out_many(seqs: dict, device: BlockPool, host: BlockPool, queue: WriteBa
   dsts = out.dsts
   start = len(srcs)  # every path appends its pairs to out's columns: pairs = len(srcs) - start
   hfree = host.ids
-  hhead = host.head
-  taken = 0  # host ids read from hfree[hhead:] and not yet consumed (BlockPool's contract)
-  freed = array(DEV_IDS)  # device ids given up, in order, not yet released to the pool
+  hpos = host.head  # host ids read from hfree[host.head:hpos] are consumed later (BlockPool's contract)
+  dfree = device.ids  # released to by extending in place (BlockPool's contract)
   done = mirrors = 0
   for req_id in req_ids:
     s = seqs[req_id]
@@ -49,12 +48,9 @@ def swap_out_many(seqs: dict, device: BlockPool, host: BlockPool, queue: WriteBa
     nhost = s.nhost  # its host blocks so far stop being mirrors of a resident request
     i = _fast_block(queue, req_id, s, bs)
     if i is None:
-      host.consume(taken)  # the general path takes and releases blocks through the pools: settle first
-      taken = 0
-      device.release(freed)
-      del freed[:]
+      host.consume(hpos - host.head)  # the general path takes host blocks through the pool: settle first
       moved = swap_out_general(queue, req_id, s, device, host, bs, out)
-      hhead = host.head
+      hpos = host.head
       if moved is None:
         break
       mirrors += nhost
@@ -64,10 +60,10 @@ def swap_out_many(seqs: dict, device: BlockPool, host: BlockPool, queue: WriteBa
       ids = s.host
       h = ids[i]
       if h == NO_BLOCK:
-        if hhead + taken == len(hfree):
+        if hpos == len(hfree):
           break
-        h = ids[i] = hfree[hhead + taken]
-        taken += 1
+        h = ids[i] = hfree[hpos]
+        hpos += 1
         s.nhost += 1
       if s.nwb:  # the block boundary case: its one queue entry is this block
         queue.remove(req_id, s, i)
@@ -76,13 +72,12 @@ def swap_out_many(seqs: dict, device: BlockPool, host: BlockPool, queue: WriteBa
       dsts.append(h)
     mirrors += nhost
     dev = s.dev
-    freed += dev
+    dfree += dev  # device.release(dev), in place
     del dev[:]  # in place: a swapped request keeps an empty device column
     s.num_tokens = s.num_computed
     s.on_host = True
     done += 1
-  host.consume(taken)
-  device.release(freed)
+  host.consume(hpos - host.head)
   return done, len(srcs) - start, -mirrors
 
 
@@ -151,10 +146,11 @@ def _copy_dirty(queue: WriteBackQueue, req_id: ReqId, s: SeqBlocks, host: BlockP
       for i in dirty:
         if ids[i] == NO_BLOCK:
           need_host += 1
-    new_ids = host.take(need_host)
+    new_ids = host.take(need_host) if need_host else []
     if new_ids is None:
       return None
-  queue.drop(req_id, s)
+  if s.nwb:
+    queue.drop(req_id, s)
   if dirty:
     s.nhost += need_host
     dev = s.dev
@@ -210,16 +206,16 @@ def swap_in_many(seqs: dict, device: BlockPool, block_size: int, req_ids, num_ne
       raise ValueError(f"request {req_id!r} is not swapped out")
     ids = s.host
     tokens = s.num_tokens + num_new_tokens
-    end = head + -(-tokens // bs)  # blocks_for (kv/layout.py), inline: once per request swapped in
+    end = head + (tokens + bs - 1) // bs  # blocks_for (kv/layout.py), inline: once per request swapped in
     if end > nfree:
       break
     devs = free[head:end]
     s.dev += devs  # in place (see swap_out_general; it was empty)
-    n = len(ids)  # <= end - head: a swapped request's blocks cover its tokens
-    if end - head == n:
+    if end - head == len(ids):  # (never fewer: a swapped request's blocks cover its tokens)
       src_pieces.append(ids)
       dst_pieces.append(devs)
     else:  # the new tokens start new blocks: they have no host copy (and no H2D pair)
+      n = len(ids)
       src_pieces.append(ids[:n])
       dst_pieces.append(devs[:n])
       ids += no_block_ids(end - head - n)
