@@ -80,8 +80,8 @@ class BlockPool:
 
   def consume(self, n: int) -> None:
     """Removes the ``n`` head ids of the free queue, which the caller has read from ``ids[head:head + n]``
-    itself (``take`` for a caller that needs no copy). Raises ValueError, changing nothing, if fewer than ``n``
-    are free."""
+    itself: ``take`` with its result discarded (one definition of taking). Raises ValueError, changing nothing,
+    if fewer than ``n`` are free."""
     if self.take(n) is None:
       raise ValueError(f"consume {n} blocks: {len(self.ids) - self.head} free")
 
