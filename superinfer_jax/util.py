@@ -1,7 +1,8 @@
 """Small integer helpers shared across packages (pure Python: importable without JAX or numpy).
 
-``kv/block_manager.py`` and ``sched/`` keep their inline arithmetic on purpose (hot paths), and
-``pallas_kernels/`` uses ``jax.experimental.pallas``' own ``cdiv`` / ``next_power_of_2``.
+``cdiv`` is the one ceiling division; ``kv/layout.py``'s ``blocks_for`` (a request's block count) is ``cdiv`` under
+that name. A hot path that inlines it says so in a comment; ``pallas_kernels/`` uses ``jax.experimental.pallas``'
+own ``cdiv`` / ``next_power_of_2``.
 """
 from __future__ import annotations
 

@@ -8,20 +8,23 @@ must execute; it never touches KV data itself. Copy lists are ``PairList``s (``k
 
 Pools
 -----
+Each tier is a ``BlockPool`` (``kv/block_pool.py``), ``manager.device`` and ``manager.host``:
+
 * Device pool: block ids ``1..num_device_blocks``. ``PADDING_BLOCK`` (0) is never allocated (the device
   cache array therefore has ``num_device_blocks + 1`` blocks; see ``kv/layout.py``).
 * Host pool (pinned host memory): block ids ``0..num_host_blocks-1``.
-* Free lists are FIFO: a freed block goes to the tail, allocation pops the head. Each is an ``array`` plus a
-  head index, so a request's blocks are taken as one slice and released with one ``extend`` (C speed; no
-  per-block Python work on the rotation path, which moves up to B_xfer blocks per step each way).
+* Free queues are FIFO: a freed block goes to the tail, allocation pops the head, so the ids handed out
+  depend only on the order of allocations and releases. A request's blocks are taken as one slice and
+  released with one ``extend`` (C speed; no per-block Python work on the rotation path, which moves up to
+  B_xfer blocks per step each way).
 * Every allocated block has exactly one owner, a (request, logical block) slot; the reference count is
-  therefore implicit (1 off the free list, 0 on it), which keeps bulk allocation and release free of
-  per-block bookkeeping. Prefix sharing would add an explicit count for shared blocks only.
+  therefore implicit (1 off the free queue, 0 on it). ``BlockPool`` is where explicit counts (and the
+  cached-block LRU) go once prefix caching shares blocks.
 
 Block ids are stored as ``array('i')``: host ids (``HOST_IDS``) in each request's ``host`` column and the host
-free list, device ids (``DEV_IDS``) in each request's ``dev`` column, the device free list and every block table
+free queue, device ids (``DEV_IDS``) in each request's ``dev`` column, the device free queue and every block table
 handed out. Under rotation a step moves thousands of host ids into the swap-in copy list and device ids out of
-the free list; with arrays each move is a ``memcpy`` (into ``StepPlan.swap_in``'s columns, both arrays:
+the free queue; with arrays each move is a ``memcpy`` (into ``StepPlan.swap_in``'s columns, both arrays:
 ``kv/pairs.h2d_pairs``) instead of an incref of one cold int object per id, and ``block_table``'s per-step
 copy of every scheduled request's table is a ``memcpy`` too.
 
@@ -43,9 +46,25 @@ A request owns a list of *logical blocks* ``0..n-1``; logical block ``i`` holds 
 
 Modules
 -------
-``kv/block_seq.py`` (per-request columns), ``kv/writeback.py`` (eager write-back queue), ``kv/swap.py``
-(swap-out / swap-in), ``kv/invariants.py`` (``check_invariants``); this module holds the pools, capacity
-queries, ``append_slots`` and ``free``.
+No mixins: ``BlockManager`` (this module) composes the parts below and holds the capacity queries,
+``append_slots``, ``mark_computed`` / ``mark_computed_next``, ``free``, the block tables and the count of host
+mirrors; its other mutations call the plain functions of ``swap.py`` and ``writeback.py`` and apply the mirror
+count change they return.
+
+* ``kv/block_pool.py``: ``BlockPool``, one tier's ids and FIFO free queue (take, release); the ownership rule.
+* ``kv/block_seq.py``: ``SeqBlocks``, one request's block columns and token counts; ``NO_BLOCK``; reads over
+  the columns (``computed_in_block``, ``dirty_blocks``).
+* ``kv/writeback.py``: ``WriteBackQueue`` (the eager write-back queue and its invariant), ``take_writebacks``,
+  ``drop_host_mirrors``.
+* ``kv/swap.py``: ``swap_out_many`` (with its shortcuts and ``swap_out_general``), ``swap_in_many``.
+* ``kv/invariants.py``: ``check_invariants``, through the pools', queue's and columns' public fields.
+* ``kv/layout.py``: ``blocks_for(num_tokens, block_size)``, the one block-count definition
+  (``BlockManager.blocks_for_tokens`` is its method form), ``PADDING_BLOCK``, ``KVCacheSpec``.
+* ``kv/pairs.py``: ``PairList``, the copy lists.
+
+Public fields, read-only outside ``kv/``: ``device`` and ``host`` (the ``BlockPool``s), ``seqs`` (req_id ->
+``SeqBlocks``), ``writebacks`` (the ``WriteBackQueue``), ``num_device_blocks``, ``num_host_blocks``,
+``block_size``. Tests and debug read them; the scheduler, engine and simulator use the methods below.
 
 Public API
 ----------
@@ -57,11 +76,15 @@ Capacity queries (all O(1) unless noted):
   * ``blocks_to_grow(req_id, total_tokens) -> int``: device blocks ``append_slots`` would allocate to cover
     ``total_tokens`` tokens (an unknown request counts from 0 tokens). Resident or new requests only.
   * ``blocks_to_swap_in(req_id) -> int``: device blocks ``swap_in`` allocates (the request's block count).
+  * ``blocks_for_tokens(num_tokens) -> int``: ``blocks_for(num_tokens, block_size)``.
   * ``blocks_to_swap_out(req_id) -> int``: host blocks ``swap_out`` must allocate (dirty blocks without a
     host copy). O(blocks of the request).
+  * ``swap_out_copies(req_id) -> int``: D2H pairs ``swap_out`` would return (blocks whose host copy is missing
+    or stale).
   * ``reclaimable_host_blocks()``: host blocks held as mirrors by resident requests; ``num_host_mirrors(id)``.
   * ``num_blocks(req_id)``, ``num_tokens(req_id)``, ``num_computed(req_id)``, ``is_swapped(req_id)``,
-    ``has_request(req_id)`` / ``req_id in manager``, ``num_requests``.
+    ``has_request(req_id)`` / ``req_id in manager``, ``num_requests``, ``pending_writebacks()`` (queued
+    write-back blocks), ``stats()`` (a dict of free blocks, requests and pending write-backs).
 
 Mutations:
   * ``append_slots(req_id, num_new_tokens) -> bool``: grow a resident (or new: the first call creates the
@@ -103,7 +126,7 @@ Mutations:
   * ``drop_host_mirrors(req_id) -> int``: release a resident request's host copies (redundant: the device
     holds the data); its full blocks are queued for write-back again. For reclaiming host space.
   * ``check_invariants()``: raises ``AssertionError`` describing the first violation: no block owned twice,
-    free lists disjoint from used blocks and complete, padding block never used,
+    free queues disjoint from used blocks and complete, padding block never used,
     every request's table covers its tokens, resident/swapped and clean/dirty consistency, write-back queue
     consistent. O(total blocks); for tests and debug.
 
@@ -131,14 +154,18 @@ from __future__ import annotations
 
 from array import array
 
+from superinfer_jax.kv import swap, writeback
+from superinfer_jax.kv.block_pool import BlockPool
 from superinfer_jax.kv.block_seq import NO_BLOCK, ReqId, SeqBlocks, no_block_ids
 from superinfer_jax.kv.invariants import check_invariants as _check_invariants
+from superinfer_jax.kv.layout import blocks_for
 from superinfer_jax.kv.pairs import DEV_IDS, HOST_IDS, PairList
-from superinfer_jax.kv.swap import SwapMixin
-from superinfer_jax.kv.writeback import WriteBackMixin
+from superinfer_jax.kv.writeback import WriteBackQueue
+
+__all__ = ["BlockManager", "NO_BLOCK"]
 
 
-class BlockManager(SwapMixin, WriteBackMixin):
+class BlockManager:
   """Device + host block pools and per-request block tables. See the module docstring for the API."""
 
   def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int):
@@ -151,94 +178,86 @@ class BlockManager(SwapMixin, WriteBackMixin):
     self.num_device_blocks = num_device_blocks
     self.num_host_blocks = num_host_blocks
     self.block_size = block_size
-    # FIFO free lists: the live part is ``_dev_free[_dev_head:]`` (see ``_take_dev``).
-    self._dev_free = array(DEV_IDS, range(1, num_device_blocks + 1))
-    self._dev_head = 0
-    self._host_free = array(HOST_IDS, range(num_host_blocks))
-    self._host_head = 0
-    self._seqs: dict[ReqId, SeqBlocks] = {}
-    # Eager write-back queue: (req_id, logical block) of full, computed blocks of resident requests whose
-    # host copy is missing or stale. Insertion-ordered (oldest first); entries are removed on swap-out/free.
-    self._wb: dict[tuple[ReqId, int], None] = {}
-    self._mirror_blocks = 0  # host blocks held by resident requests (clean or stale mirrors)
+    self.device = BlockPool(1, num_device_blocks, DEV_IDS)  # PADDING_BLOCK (0) is outside the pool
+    self.host = BlockPool(0, num_host_blocks, HOST_IDS)
+    self.seqs: dict[ReqId, SeqBlocks] = {}
+    self.writebacks = WriteBackQueue()
+    self._mirrors = 0  # host blocks held by resident requests (clean or stale mirrors)
 
   # ---------------------------------------------------------------- capacity queries
   @property
   def num_free_device_blocks(self) -> int:
-    return len(self._dev_free) - self._dev_head
+    return self.device.num_free
 
   @property
   def num_free_host_blocks(self) -> int:
-    return len(self._host_free) - self._host_head
+    return self.host.num_free
 
   @property
   def num_requests(self) -> int:
-    return len(self._seqs)
+    return len(self.seqs)
 
   def device_usage(self) -> float:
-    return 1.0 - (len(self._dev_free) - self._dev_head) / self.num_device_blocks
+    return self.device.usage()
+
+  def host_usage(self) -> float:
+    return self.host.usage()
 
   def reclaimable_host_blocks(self) -> int:
     """Host blocks held as mirrors by resident requests (``drop_host_mirrors`` can release them)."""
-    return self._mirror_blocks
+    return self._mirrors
 
   def num_host_mirrors(self, req_id: ReqId) -> int:
-    s = self._seqs[req_id]
+    s = self.seqs[req_id]
     return 0 if s.on_host else s.nhost
 
-  def host_usage(self) -> float:
-    if self.num_host_blocks == 0:
-      return 1.0
-    return 1.0 - (len(self._host_free) - self._host_head) / self.num_host_blocks
-
   def blocks_for_tokens(self, num_tokens: int) -> int:
-    return -(-num_tokens // self.block_size)
+    return blocks_for(num_tokens, self.block_size)
 
   def __contains__(self, req_id: ReqId) -> bool:
-    return req_id in self._seqs
+    return req_id in self.seqs
 
   def has_request(self, req_id: ReqId) -> bool:
-    return req_id in self._seqs
+    return req_id in self.seqs
 
   def is_swapped(self, req_id: ReqId) -> bool:
-    return self._seqs[req_id].on_host
+    return self.seqs[req_id].on_host
 
   def num_blocks(self, req_id: ReqId) -> int:
-    s = self._seqs.get(req_id)
+    s = self.seqs.get(req_id)
     return 0 if s is None else len(s.host)
 
   def num_tokens(self, req_id: ReqId) -> int:
-    s = self._seqs.get(req_id)
+    s = self.seqs.get(req_id)
     return 0 if s is None else s.num_tokens
 
   def num_computed(self, req_id: ReqId) -> int:
-    s = self._seqs.get(req_id)
+    s = self.seqs.get(req_id)
     return 0 if s is None else s.num_computed
 
   def blocks_to_grow(self, req_id: ReqId, total_tokens: int) -> int:
     """Device blocks ``append_slots`` needs so that the request covers ``total_tokens`` tokens."""
-    s = self._seqs.get(req_id)
+    s = self.seqs.get(req_id)
     have = 0 if s is None else len(s.dev)
     if s is not None and s.on_host:
       raise ValueError(f"request {req_id!r} is swapped out; use blocks_to_swap_in")
-    need = -(-total_tokens // self.block_size) - have
+    need = blocks_for(total_tokens, self.block_size) - have
     return need if need > 0 else 0
 
   def blocks_to_swap_in(self, req_id: ReqId) -> int:
-    s = self._seqs[req_id]
+    s = self.seqs[req_id]
     return len(s.host) if s.on_host else 0
 
   def blocks_to_swap_out(self, req_id: ReqId) -> int:
     """Host blocks ``swap_out`` would allocate (computed blocks without any host copy)."""
-    s = self._seqs[req_id]
+    s = self.seqs[req_id]
     if s.on_host:
       return 0
-    n = -(-s.num_computed // self.block_size)
-    return s.host[:n].count(NO_BLOCK)
+    return s.host[:blocks_for(s.num_computed, self.block_size)].count(NO_BLOCK)
 
   def swap_out_copies(self, req_id: ReqId) -> int:
     """D2H block copies ``swap_out`` would issue (computed blocks whose host copy is missing or stale)."""
-    s = self._seqs[req_id]
+    s = self.seqs[req_id]
     if s.on_host:
       return 0
     # Full blocks are dirty exactly when queued for write-back (write-back queue invariant): s.nwb of them;
@@ -249,51 +268,22 @@ class BlockManager(SwapMixin, WriteBackMixin):
       return s.nwb + 1
     return s.nwb
 
+  def pending_writebacks(self) -> int:
+    return len(self.writebacks)
+
   def block_table(self, req_id: ReqId) -> array:
-    s = self._seqs[req_id]
+    s = self.seqs[req_id]
     if s.on_host:
       raise ValueError(f"request {req_id!r} is swapped out; it has no device block table")
     return s.dev[:]  # a fresh array (one memcpy; called for every scheduled seq)
 
   def host_block_table(self, req_id: ReqId) -> list[int]:
-    return self._seqs[req_id].host.tolist()
+    return self.seqs[req_id].host.tolist()
 
-  # ---------------------------------------------------------------- helpers
-
-  def _take_dev(self, n: int) -> array:
-    """Pops the ``n`` head blocks of the device free list (caller checked there are enough)."""
-    free = self._dev_free
-    end = self._dev_head + n
-    out = free[self._dev_head:end]
-    if end + end >= len(free):  # the consumed prefix is at least half: compact (amortized O(1) per block)
-      del free[:end]
-      end = 0
-    self._dev_head = end
-    return out
-
-  def _take_host(self, n: int) -> array:
-    """Pops the ``n`` head blocks of the host free list (caller checked there are enough)."""
-    free = self._host_free
-    end = self._host_head + n
-    out = free[self._host_head:end]
-    if end + end >= len(free):
-      del free[:end]
-      end = 0
-    self._host_head = end
-    return out
-
-  def _free_device_ids(self) -> list[int]:
-    """The device free list, head first (a copy; for tests and debug)."""
-    return self._dev_free[self._dev_head:].tolist()
-
-  def _free_host_ids(self) -> list[int]:
-    """The host free list, head first (a copy; for tests and debug)."""
-    return self._host_free[self._host_head:].tolist()
-
-  # ---------------------------------------------------------------- mutations
+  # ---------------------------------------------------------------- growth and computed marks
   def append_slots(self, req_id: ReqId, num_new_tokens: int) -> bool:
     """Covers ``num_new_tokens`` more tokens on device. All-or-nothing. Creates unknown requests."""
-    s = self._seqs.get(req_id)
+    s = self.seqs.get(req_id)
     if s is not None and not s.on_host and num_new_tokens >= 0:
       # Fast path (a running request's next token usually fits its last block).
       total = s.num_tokens + num_new_tokens
@@ -302,47 +292,161 @@ class BlockManager(SwapMixin, WriteBackMixin):
         return True
     if num_new_tokens < 0:
       raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-    s = self._seqs.get(req_id)
     if s is None:
-      need = -(-num_new_tokens // self.block_size)
-      if need > len(self._dev_free) - self._dev_head:
+      devs = self.device.take(blocks_for(num_new_tokens, self.block_size))
+      if devs is None:
         return False
-      s = self._seqs[req_id] = SeqBlocks()
+      s = self.seqs[req_id] = SeqBlocks()
     else:
       if s.on_host:
         raise ValueError(f"append_slots on swapped-out request {req_id!r}; swap_in first")
-      need = -(-(s.num_tokens + num_new_tokens) // self.block_size) - len(s.dev)
-      if need > len(self._dev_free) - self._dev_head:
+      devs = self.device.take(blocks_for(s.num_tokens + num_new_tokens, self.block_size) - len(s.dev))
+      if devs is None:
         return False
-    if need > 0:
-      s.dev += self._take_dev(need)
+    need = len(devs)
+    if need:
+      s.dev += devs
       s.host += no_block_ids(need)
       s.host_tokens += [0] * need
     s.num_tokens += num_new_tokens
     return True
 
+  def mark_computed(self, req_id: ReqId, num_computed_tokens: int) -> None:
+    """Records that the first ``num_computed_tokens`` tokens' KV is written by a dispatched step; blocks that
+    become full are queued for write-back if dirty."""
+    s = self.seqs[req_id]
+    old = s.num_computed
+    if s.on_host:
+      raise ValueError(f"mark_computed on swapped-out request {req_id!r}")
+    if num_computed_tokens < old or num_computed_tokens > s.num_tokens:
+      raise ValueError(f"mark_computed({req_id!r}, {num_computed_tokens}): must be in "
+                       f"[{s.num_computed}, {s.num_tokens}]")
+    s.num_computed = num_computed_tokens
+    bs = self.block_size
+    first = old // bs  # first block that was not full before
+    end = num_computed_tokens // bs
+    if end > first:
+      self.writebacks.queue_filled(req_id, s, first, end, bs)
+
+  def mark_computed_next(self, req_ids) -> None:
+    """``mark_computed(req_id, num_computed + 1)`` for each id in order (resident requests with an uncomputed
+    slot): the scheduler marks each swapped-in request's pending token with one call per batch."""
+    seqs = self.seqs
+    bs = self.block_size
+    for req_id in req_ids:
+      s = seqs[req_id]
+      c = s.num_computed + 1
+      if s.on_host or c > s.num_tokens:
+        raise ValueError(f"mark_computed_next({req_id!r}): swapped out, or no uncomputed slot "
+                         f"(computed {s.num_computed} of {s.num_tokens})")
+      s.num_computed = c
+      if not c % bs:  # block c // bs - 1 just filled
+        self.writebacks.queue_filled(req_id, s, c // bs - 1, c // bs, bs)
+
+  # ---------------------------------------------------------------- write-back (kv/writeback.py)
+  def take_writebacks(self, max_blocks: int | None = None, min_free_host: int = 0) -> PairList:
+    """Eager write-back: D2H pairs for full, computed, dirty blocks (oldest first); marks them clean."""
+    pairs, taken = writeback.take_writebacks(self.writebacks, self.seqs, self.host, self.block_size, max_blocks,
+                                             min_free_host)
+    self._mirrors += taken
+    return pairs
+
+  def drop_host_mirrors(self, req_id: ReqId) -> int:
+    """Releases the host copies of a *resident* request (they are redundant); returns blocks released.
+
+    Lets a caller reclaim host space held by clean mirrors of running requests. The next ``swap_out`` of the
+    request then copies every computed block again. Must not be called for a request swapped in during the
+    current step (its host blocks are this step's H2D sources; ordering contract 3).
+    """
+    s = self.seqs[req_id]
+    if s.on_host:
+      raise ValueError(f"request {req_id!r} is swapped out; its host blocks are its only copy")
+    released = writeback.drop_host_mirrors(self.writebacks, req_id, s, self.host, self.block_size)
+    self._mirrors -= released
+    return released
+
+  # ---------------------------------------------------------------- rotation (kv/swap.py)
+  def swap_out(self, req_id: ReqId) -> PairList | None:
+    """Rotates a resident request to host; D2H pairs for dirty blocks, or None (host pool too small)."""
+    out = PairList.from_columns([], [])
+    return None if self.swap_out_to(req_id, out) is None else out
+
+  def swap_out_to(self, req_id: ReqId, out: PairList) -> int | None:
+    """``swap_out`` that appends its D2H pairs to ``out`` (column-wise); returns how many, or None.
+
+    None means the host pool lacks blocks; then neither the manager nor ``out`` changed.
+    """
+    done, moved = self.swap_out_many((req_id,), out)
+    return moved if done else None
+
+  def swap_out_many(self, req_ids, out: PairList) -> tuple[int, int]:
+    """``swap_out_to`` for each id in order, stopping at the first the host pool cannot take.
+
+    Returns ``(k, pairs)``: the first ``k`` requests are swapped out (their D2H pairs, ``pairs`` in all, are
+    appended to ``out`` in order); ``req_ids[k]``, if any, is unchanged (host pool too small). The
+    scheduler rotates a step's victims out with one call.
+    """
+    done, moved, mirrors = swap.swap_out_many(self.seqs, self.device, self.host, self.writebacks, self.block_size,
+                                              req_ids, out)
+    self._mirrors += mirrors
+    return done, moved
+
+  def swap_in(self, req_id: ReqId) -> PairList | None:
+    """Brings a swapped request back; H2D pairs for every block, or None (device pool too small)."""
+    out = PairList.from_columns([], [])
+    return None if self.swap_in_to(req_id, out) is None else out
+
+  def swap_in_to(self, req_id: ReqId, out: PairList) -> int | None:
+    """``swap_in`` that appends its H2D pairs to ``out`` (column-wise); returns how many, or None.
+
+    None means the device pool lacks blocks; then neither the manager nor ``out`` changed.
+    """
+    table = self.swap_in_grow(req_id, 0, out)
+    return None if table is None else len(table)
+
+  def swap_in_grow(self, req_id: ReqId, num_new_tokens: int, out: PairList) -> array | None:
+    """``swap_in_to`` followed by ``append_slots(req_id, num_new_tokens)``, as one all-or-nothing step.
+
+    Appends the H2D pairs (one per host block, in logical order) to ``out`` and returns the request's new
+    device block table (a fresh array, as ``block_table`` would return). The device blocks come off the
+    free queue's head in the order the two calls would take them (the swap-in's, then the growth's). None:
+    the device pool lacks blocks for both; nothing changed.
+    """
+    tables = self.swap_in_many((req_id,), num_new_tokens, out)
+    return tables[0] if tables else None
+
+  def swap_in_many(self, req_ids, num_new_tokens: int, out: PairList) -> list[array]:
+    """``swap_in_grow(req_id, num_new_tokens, out)`` for each (distinct) id in order, stopping at the first
+    the device pool cannot take. Returns the new block tables of those swapped in (a prefix of ``req_ids``;
+    fresh arrays); their H2D pairs are appended to ``out`` in order. The device blocks are exactly those the
+    calls one by one would take. The scheduler rotates a step's requests in with one call.
+    """
+    tables, mirrors = swap.swap_in_many(self.seqs, self.device, self.block_size, req_ids, num_new_tokens, out)
+    self._mirrors += mirrors
+    return tables
+
+  # ---------------------------------------------------------------- release
   def free(self, req_id: ReqId) -> None:
     """Releases every device and host block of the request (finish, abort, recompute preemption)."""
-    s = self._seqs.pop(req_id, None)
+    s = self.seqs.pop(req_id, None)
     if s is None:
       return
     if s.nwb:
-      self._drop_wb(req_id, s)
-    host = s.host
+      self.writebacks.drop(req_id, s)
+    ids = s.host
     if not s.on_host:
-      self._mirror_blocks -= s.nhost
-      self._dev_free += s.dev
-    if s.nhost == len(host):
-      self._host_free += host
+      self._mirrors -= s.nhost
+      self.device.release(s.dev)
+    if s.nhost == len(ids):
+      self.host.release(ids)
     elif s.nhost:
-      self._host_free += array(HOST_IDS, [h for h in host if h != NO_BLOCK])
+      self.host.release(array(HOST_IDS, [h for h in ids if h != NO_BLOCK]))
 
   # ---------------------------------------------------------------- invariants
   def check_invariants(self) -> None:
     """Raises AssertionError on the first violated invariant (see the module docstring)."""
     _check_invariants(self)
 
-
   def stats(self) -> dict:
-    return {"free_device_blocks": self.num_free_device_blocks, "free_host_blocks": self.num_free_host_blocks,
-            "requests": len(self._seqs), "pending_writebacks": len(self._wb)}
+    return {"free_device_blocks": self.device.num_free, "free_host_blocks": self.host.num_free,
+            "requests": len(self.seqs), "pending_writebacks": len(self.writebacks)}

@@ -1,7 +1,12 @@
-"""Per-request block columns shared by the block manager's modules.
+"""Per-request block columns (``SeqBlocks``) and the reads over them that the block manager's modules share.
 
-``SeqBlocks`` holds one request's logical blocks as parallel columns; ``NO_BLOCK`` marks a logical block without
-a host copy. Pure Python, no JAX.
+A request's logical block ``i`` holds tokens ``[i * block_size, (i + 1) * block_size)``; ``SeqBlocks`` keeps its
+logical blocks as parallel columns (device id, host id, tokens the host copy holds) plus its token counts. The
+meaning of every field, and the resident / swapped and clean / dirty rules, are stated in
+``kv/block_manager.py``'s docstring. Who writes what: ``nwb`` only ``kv/writeback.py`` (the write-back queue's
+per-request count); the other fields the block manager's mutations (``block_manager.py``, ``swap.py``,
+``writeback.py``), each keeping the invariants ``kv/invariants.py`` checks. The functions here only read.
+``NO_BLOCK`` marks a logical block without a host copy. Pure Python, no JAX.
 """
 from __future__ import annotations
 
@@ -48,3 +53,26 @@ class SeqBlocks:
     self.nhost = 0  # host ids in ``host`` (not NO_BLOCK); avoids scanning ``host`` on the hot paths
 
 
+def computed_in_block(s: SeqBlocks, i: int, block_size: int) -> int:
+  """Computed tokens that logical block ``i`` of ``s`` holds (0..block_size)."""
+  c = s.num_computed - i * block_size
+  return 0 if c <= 0 else (block_size if c >= block_size else c)
+
+
+def dirty_blocks(s: SeqBlocks, block_size: int) -> list[int]:
+  """Logical blocks of ``s`` holding computed tokens that their host copy lacks, in order (KV is append-only,
+  so a full block is dirty iff its host copy holds fewer than block_size tokens)."""
+  bs = block_size
+  nfull = s.num_computed // bs
+  ht = s.host_tokens
+  nclean = ht[:nfull].count(bs)
+  if nclean == nfull:
+    out = []
+  elif nclean == 0:  # e.g. after drop_host_mirrors: every full block is dirty
+    out = list(range(nfull))
+  else:
+    out = [i for i in range(nfull) if ht[i] < bs]
+  tail = s.num_computed - nfull * bs
+  if tail and ht[nfull] < tail:
+    out.append(nfull)
+  return out

@@ -29,6 +29,14 @@ LAYOUTS = (BLOCK_FIRST, LAYER_FIRST)
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 
+# ``blocks_for(num_tokens, block_size)``: the blocks of ``block_size`` tokens that hold ``num_tokens`` tokens (block
+# ``i`` holds tokens ``[i * block_size, (i + 1) * block_size)``); ``blocks_for(0, 16) == 0``, ``blocks_for(17, 16)
+# == 2``. The one definition of a request's block count: ``util.cdiv`` itself (no wrapper call on the hot paths
+# that use it). ``KVCacheSpec.blocks_for_tokens`` and ``BlockManager.blocks_for_tokens`` are its method forms; a
+# hot path that inlines it says so.
+blocks_for = cdiv
+
+
 @dataclasses.dataclass(frozen=True)
 class KVCacheSpec:
   """Shape of a paged KV cache. Hashable: usable as a static jit argument."""
@@ -81,4 +89,4 @@ class KVCacheSpec:
     return self.block_bytes // self.segment_bytes
 
   def blocks_for_tokens(self, num_tokens: int) -> int:
-    return cdiv(num_tokens, self.block_size)
+    return blocks_for(num_tokens, self.block_size)

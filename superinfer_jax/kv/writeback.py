@@ -1,162 +1,137 @@
-"""Eager write-back (docs/paper.md §4.4): the one home of the block manager's write-back queue logic.
+"""Eager write-back (docs/paper.md §4.4): the write-back queue and the functions that fill and drain it.
 
-The queue ``BlockManager._wb`` holds ``(req_id, logical block)`` keys of full, computed blocks of resident
-requests whose host copy is missing or stale, oldest first. Invariant: a key is queued iff its block is full,
-computed and dirty; ``SeqBlocks.nwb`` counts a request's keys. ``WriteBackMixin`` is mixed into
-``BlockManager`` and reads its pools and ``_seqs``; it never touches KV data, it only returns copy lists.
+``WriteBackQueue`` holds ``(req_id, logical block)`` keys of full, computed blocks of resident requests whose
+host copy is missing or stale, oldest first (insertion order). Invariant (the *write-back queue invariant*): a
+key is queued iff its block is full, computed and dirty; ``SeqBlocks.nwb`` counts a request's keys. This module
+is the only writer of the queue and of ``nwb``.
+
+``take_writebacks`` drains the queue into D2H pairs, taking host blocks from the host ``BlockPool``;
+``drop_host_mirrors`` releases a resident request's host copies and queues its full blocks again. Both are
+plain functions over the queue, the per-request columns (``kv/block_seq.py``) and the host pool; they return
+how the number of host mirrors changed instead of keeping that count (the block manager does). They never
+touch KV data, only return copy lists.
 """
 from __future__ import annotations
 
 from array import array
 
+from superinfer_jax.kv.block_pool import BlockPool
 from superinfer_jax.kv.block_seq import NO_BLOCK, ReqId, SeqBlocks, no_block_ids
 from superinfer_jax.kv.pairs import HOST_IDS, PairList
 
 
-class WriteBackMixin:
-  """Write-back queue maintenance and draining for ``BlockManager`` (see the module docstring)."""
+class WriteBackQueue:
+  """The eager write-back queue (see the module docstring). Iterates its keys oldest first.
 
-  def _computed_in_block(self, s: SeqBlocks, i: int) -> int:
-    c = s.num_computed - i * self.block_size
-    return 0 if c <= 0 else (self.block_size if c >= self.block_size else c)
+  Attributes:
+    entries: ``dict`` of ``(req_id, logical block) -> None``, insertion-ordered; read-only outside this module.
+  """
+  __slots__ = ("entries",)
 
-  def _dirty_indices(self, s: SeqBlocks) -> list[int]:
-    """Logical blocks holding computed tokens that their host copy lacks (KV is append-only, so a full block
-    is dirty iff its host copy holds fewer than block_size tokens)."""
-    bs = self.block_size
-    nfull = s.num_computed // bs
+  def __init__(self):
+    self.entries: dict[tuple[ReqId, int], None] = {}
+
+  def __len__(self) -> int:
+    return len(self.entries)
+
+  def __contains__(self, key: tuple[ReqId, int]) -> bool:
+    return key in self.entries
+
+  def __iter__(self):
+    return iter(self.entries)
+
+  def queue_filled(self, req_id: ReqId, s: SeqBlocks, first: int, end: int, block_size: int) -> None:
+    """Logical blocks ``first..end-1`` of resident ``s`` just became full and computed: queues the dirty ones
+    (host copy holding fewer than ``block_size`` tokens), in block order."""
     ht = s.host_tokens
-    nclean = ht[:nfull].count(bs)
-    if nclean == nfull:
-      out = []
-    elif nclean == 0:  # e.g. after drop_host_mirrors: every full block is dirty
-      out = list(range(nfull))
-    else:
-      out = [i for i in range(nfull) if ht[i] < bs]
-    tail = s.num_computed - nfull * bs
-    if tail and ht[nfull] < tail:
-      out.append(nfull)
-    return out
+    entries = self.entries
+    for i in range(first, end):
+      if ht[i] < block_size:
+        entries[(req_id, i)] = None
+        s.nwb += 1
 
-  def _drop_wb(self, req_id: ReqId, s: SeqBlocks) -> None:
+  def remove(self, req_id: ReqId, s: SeqBlocks, i: int) -> None:
+    """Unqueues block ``i`` of ``s`` (it is queued; its host copy is about to be made clean)."""
+    del self.entries[(req_id, i)]
+    s.nwb -= 1
+
+  def drop(self, req_id: ReqId, s: SeqBlocks) -> None:
+    """Unqueues every block of ``s`` (swap-out, free)."""
     if not s.nwb:
       return
-    wb = self._wb
+    entries = self.entries
     for i in range(len(s.host) - 1, -1, -1):  # queued blocks are usually the most recently filled ones
-      if wb.pop((req_id, i), 0) is None:
+      if entries.pop((req_id, i), 0) is None:
         s.nwb -= 1
         if not s.nwb:
           break
 
-  def mark_computed(self, req_id: ReqId, num_computed_tokens: int) -> None:
-    """Records that the first ``num_computed_tokens`` tokens' KV is written by a dispatched step."""
-    s = self._seqs[req_id]
-    old = s.num_computed
-    if s.on_host:
-      raise ValueError(f"mark_computed on swapped-out request {req_id!r}")
-    if num_computed_tokens < old or num_computed_tokens > s.num_tokens:
-      raise ValueError(f"mark_computed({req_id!r}, {num_computed_tokens}): must be in "
-                       f"[{s.num_computed}, {s.num_tokens}]")
-    s.num_computed = num_computed_tokens
-    bs = self.block_size
-    first_full = old // bs  # first block that was not full before
-    end = num_computed_tokens // bs
-    if end > first_full:
-      ht = s.host_tokens
-      wb = self._wb
-      for i in range(first_full, end):
-        if ht[i] < bs:
-          wb[(req_id, i)] = None
-          s.nwb += 1
 
-  def mark_computed_next(self, req_ids) -> None:
-    """``mark_computed(req_id, num_computed + 1)`` for each id in order (resident requests with an uncomputed
-    slot): the scheduler marks each swapped-in request's pending token with one call per batch."""
-    seqs = self._seqs
-    bs = self.block_size
-    wb = self._wb
-    for req_id in req_ids:
-      s = seqs[req_id]
-      c = s.num_computed + 1
-      if s.on_host or c > s.num_tokens:
-        raise ValueError(f"mark_computed_next({req_id!r}): swapped out, or no uncomputed slot "
-                         f"(computed {s.num_computed} of {s.num_tokens})")
-      s.num_computed = c
-      if not c % bs and s.host_tokens[c // bs - 1] < bs:  # the block c // bs - 1 just filled and is dirty
-        wb[(req_id, c // bs - 1)] = None
-        s.nwb += 1
+def take_writebacks(queue: WriteBackQueue, seqs: dict, host: BlockPool, block_size: int,
+                    max_blocks: int | None, min_free_host: int) -> tuple[PairList, int]:
+  """``BlockManager.take_writebacks``: D2H pairs for queued blocks, oldest first; marks them clean.
 
-  def pending_writebacks(self) -> int:
-    return len(self._wb)
-
-  def take_writebacks(self, max_blocks: int | None = None, min_free_host: int = 0) -> PairList:
-    """Eager write-back: D2H pairs for full, computed, dirty blocks (oldest first); marks them clean."""
-    srcs: list[int] = []
-    dsts: list[int] = []
-    out = PairList.from_columns(srcs, dsts)
-    if not self._wb:
-      return out
-    bs = self.block_size
-    wb = self._wb
-    seqs = self._seqs
-    limit = len(wb) if max_blocks is None else max_blocks
-    if limit <= 0:
-      return out
-    # Host blocks are taken from the free list's head in order (one slice at the end).
-    hfree = self._host_free
-    head = self._host_head
-    avail = len(hfree) - head - min_free_host  # host blocks this call may take
-    taken = 0
-    done = []
-    for key in wb:  # oldest first; entries are deleted after the loop
-      req_id, i = key
-      s = seqs[req_id]
-      h = s.host[i]
-      if h == NO_BLOCK:
-        if taken >= avail:
-          break
-        h = s.host[i] = hfree[head + taken]
-        s.nhost += 1
-        taken += 1
-      done.append(key)
-      s.nwb -= 1
-      s.host_tokens[i] = bs
-      srcs.append(s.dev[i])
-      dsts.append(h)
-      if len(done) >= limit:
+  Returns ``(pairs, taken)``: ``taken`` host blocks came off ``host``'s free queue (fresh host copies, now
+  mirrors of resident requests). Stops at ``max_blocks`` pairs, or where taking another host block would
+  leave fewer than ``min_free_host`` free; the rest stay queued.
+  """
+  srcs: list[int] = []
+  dsts: list[int] = []
+  out = PairList.from_columns(srcs, dsts)
+  wb = queue.entries
+  if not wb:
+    return out, 0
+  bs = block_size
+  limit = len(wb) if max_blocks is None else max_blocks
+  if limit <= 0:
+    return out, 0
+  # Host blocks are read from the free queue's head in order and consumed at the end (BlockPool's contract).
+  hfree = host.ids
+  head = host.head
+  avail = len(hfree) - head - min_free_host  # host blocks this call may take
+  taken = 0
+  done = []
+  for key in wb:  # oldest first; entries are deleted after the loop
+    req_id, i = key
+    s = seqs[req_id]
+    h = s.host[i]
+    if h == NO_BLOCK:
+      if taken >= avail:
         break
-    for key in done:
-      del wb[key]
-    if taken:
-      self._take_host(taken)
-      self._mirror_blocks += taken
-    return out
+      h = s.host[i] = hfree[head + taken]
+      s.nhost += 1
+      taken += 1
+    done.append(key)
+    s.nwb -= 1
+    s.host_tokens[i] = bs
+    srcs.append(s.dev[i])
+    dsts.append(h)
+    if len(done) >= limit:
+      break
+  for key in done:
+    del wb[key]
+  if taken:
+    host.consume(taken)
+  return out, taken
 
-  def drop_host_mirrors(self, req_id: ReqId) -> int:
-    """Releases the host copies of a *resident* request (they are redundant); returns blocks released.
 
-    Lets a caller reclaim host space held by clean mirrors of running requests. The next ``swap_out`` of the
-    request then copies every computed block again. Must not be called for a request swapped in during the
-    current step (its host blocks are this step's H2D sources; ordering contract 3).
-    """
-    s = self._seqs[req_id]
-    if s.on_host:
-      raise ValueError(f"request {req_id!r} is swapped out; its host blocks are its only copy")
-    if not s.nhost:
-      return 0
-    host = s.host
-    n = len(host)
-    released = s.nhost
-    # Release in logical-block order (as a per-block loop would), in bulk.
-    self._host_free += host if released == n else array(HOST_IDS, [h for h in host if h != NO_BLOCK])
-    host[:] = no_block_ids(n)
-    s.host_tokens[:] = [0] * n
-    # Every full computed block is now dirty, so it must be queued for write-back. Blocks already queued keep
-    # their place (dict.update does not move existing keys); new ones are appended in block order.
-    wb = self._wb
-    queued = len(wb)
-    wb.update(dict.fromkeys([(req_id, i) for i in range(s.num_computed // self.block_size)]))
-    s.nwb += len(wb) - queued
-    s.nhost = 0
-    self._mirror_blocks -= released
-    return released
+def drop_host_mirrors(queue: WriteBackQueue, req_id: ReqId, s: SeqBlocks, host: BlockPool,
+                      block_size: int) -> int:
+  """``BlockManager.drop_host_mirrors`` for resident ``s``: releases its host copies to ``host`` (in logical
+  block order) and queues every full computed block, now dirty; returns the host blocks released."""
+  if not s.nhost:
+    return 0
+  ids = s.host
+  n = len(ids)
+  released = s.nhost
+  host.release(ids if released == n else array(HOST_IDS, [h for h in ids if h != NO_BLOCK]))
+  ids[:] = no_block_ids(n)
+  s.host_tokens[:] = [0] * n
+  s.nhost = 0
+  # Blocks already queued keep their place (dict.update does not move existing keys); new ones are appended in
+  # block order.
+  wb = queue.entries
+  queued = len(wb)
+  wb.update(dict.fromkeys([(req_id, i) for i in range(s.num_computed // block_size)]))
+  s.nwb += len(wb) - queued
+  return released

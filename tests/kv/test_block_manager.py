@@ -1,5 +1,6 @@
 """Unit tests for the KV block manager (superinfer_jax/kv/block_manager.py)."""
 import collections
+from array import array
 import os
 import random
 import subprocess
@@ -7,11 +8,44 @@ import sys
 
 import pytest
 
+from superinfer_jax.kv import swap
 from superinfer_jax.kv.block_manager import BlockManager
+from superinfer_jax.kv.block_pool import BlockPool
 from superinfer_jax.kv.layout import PADDING_BLOCK
 from superinfer_jax.kv.pairs import PairList, h2d_pairs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_block_pool_fifo_take_release_and_compaction():
+  """Hand-worked: takes pop the head, releases go to the tail, compaction keeps the queue's order."""
+  p = BlockPool(1, 6, "i")
+  assert p.num_blocks == 6 and p.num_free == 6 and p.usage() == 0.0 and p.free_ids() == [1, 2, 3, 4, 5, 6]
+  assert p.take(2).tolist() == [1, 2]  # consumed prefix 2 of 6: below half, no compaction
+  assert p.head == 2 and p.free_ids() == [3, 4, 5, 6]
+  p.release(array("i", [2]))  # to the tail
+  assert p.free_ids() == [3, 4, 5, 6, 2] and p.num_free == 5
+  assert p.take(1).tolist() == [3] and p.head == 3  # 3 of 7 consumed
+  assert p.take(1).tolist() == [4]  # 4 of 7: compacted, same order
+  assert p.head == 0 and p.ids.tolist() == [5, 6, 2]
+  p.release([1])  # any iterable of ids
+  assert p.free_ids() == [5, 6, 2, 1] and p.usage() == 1 - 4 / 6
+  assert p.take(5) is None and p.free_ids() == [5, 6, 2, 1]  # over-take: None, nothing changes
+  with pytest.raises(ValueError):
+    p.consume(5)
+  assert p.free_ids() == [5, 6, 2, 1] and p.head == 0
+  assert p.ids[p.head:p.head + 2].tolist() == [5, 6]  # a hot path reads the head, then consumes it
+  p.consume(2)
+  assert p.free_ids() == [2, 1]
+  p.check()
+  p.ids.append(2)
+  with pytest.raises(AssertionError):
+    p.check()  # duplicate on the queue
+  p.ids[-1] = 7
+  with pytest.raises(AssertionError):
+    p.check()  # outside [1, 7)
+  empty = BlockPool(0, 0, "i")
+  assert empty.num_free == 0 and empty.usage() == 1.0 and empty.take(0).tolist() == [] and empty.take(1) is None
 
 
 def test_pools_and_padding_block():
@@ -212,13 +246,13 @@ def test_swap_out_dirty_tail_only_matches_per_block_rule(stale_tail):
     bm.mark_computed("a", 11)
   bm.take_writebacks()
   dev, host = bm.block_table("a"), bm.host_block_table("a")
-  free_head = bm._free_host_ids()[0]
+  free_head = bm.host.free_ids()[0]
   assert bm.swap_out_copies("a") == 1
   pairs = bm.swap_out("a")
   expect_host = host[2] if stale_tail else free_head
   assert pairs == [(dev[2], expect_host)]
   assert bm.host_block_table("a") == host[:2] + [expect_host]
-  assert bm._seqs["a"].host_tokens == [4, 4, 3 if stale_tail else 1]
+  assert bm.seqs["a"].host_tokens == [4, 4, 3 if stale_tail else 1]
   bm.check_invariants()
 
 
@@ -345,13 +379,13 @@ def test_free_lists_stay_fifo_under_bulk_allocation(seed):
       bm.drop_host_mirrors(rid)
       host_ref.extend(h for h in host if h != -1)
     bm.check_invariants()
-    assert bm._free_device_ids() == list(dev_ref)
-    assert bm._free_host_ids() == list(host_ref)
+    assert bm.device.free_ids() == list(dev_ref)
+    assert bm.host.free_ids() == list(host_ref)
     assert bm.num_free_device_blocks == len(dev_ref) and bm.num_free_host_blocks == len(host_ref)
 
 
 @pytest.mark.parametrize("corrupt", ["double_owner", "lost_block", "free_list", "free_dup", "host_free_list",
-                                     "cover", "wb"])
+                                     "host_out_of_range", "cover", "wb"])
 def test_check_invariants_detects_corruption(corrupt):
   bm = BlockManager(6, 6, block_size=4)
   bm.append_slots("a", 8)
@@ -359,21 +393,23 @@ def test_check_invariants_detects_corruption(corrupt):
   bm.mark_computed("a", 8)
   bm.take_writebacks(max_blocks=1)
   bm.check_invariants()
-  s = bm._seqs["a"]
+  s = bm.seqs["a"]
   if corrupt == "double_owner":
-    bm._seqs["b"].dev[0] = s.dev[0]
+    bm.seqs["b"].dev[0] = s.dev[0]
   elif corrupt == "lost_block":  # a block neither owned nor free
-    bm._dev_head += 1
+    bm.device.head += 1
   elif corrupt == "free_list":
-    bm._dev_free.append(s.dev[0])
+    bm.device.ids.append(s.dev[0])
   elif corrupt == "free_dup":
-    bm._dev_free.append(bm._dev_free[-1])
+    bm.device.ids.append(bm.device.ids[-1])
   elif corrupt == "host_free_list":
-    bm._host_free.append(s.host[0])
+    bm.host.ids.append(s.host[0])
+  elif corrupt == "host_out_of_range":
+    bm.host.ids.append(bm.num_host_blocks)
   elif corrupt == "cover":
     s.num_tokens = 9
   elif corrupt == "wb":
-    bm._wb.clear()
+    bm.writebacks.entries.clear()
   with pytest.raises(AssertionError):
     bm.check_invariants()
 
@@ -395,8 +431,8 @@ def test_no_jax_import():
 def _bm_state(bm):
   """Every piece of a manager's bookkeeping, comparable with ==."""
   seqs = {rid: (list(s.dev), list(s.host), list(s.host_tokens), s.num_tokens, s.num_computed, s.on_host,
-                s.nwb, s.nhost) for rid, s in bm._seqs.items()}
-  return (seqs, bm._free_device_ids(), bm._free_host_ids(), list(bm._wb), bm.reclaimable_host_blocks())
+                s.nwb, s.nhost) for rid, s in bm.seqs.items()}
+  return (seqs, bm.device.free_ids(), bm.host.free_ids(), list(bm.writebacks), bm.reclaimable_host_blocks())
 
 
 def _random_manager(rng, dev, host, bs, n):
@@ -425,7 +461,7 @@ def test_batched_swaps_equal_one_by_one(seed):
   rng = random.Random(seed)
   bs = rng.choice([1, 4, 16])
   bm = _random_manager(rng, rng.randint(8, 40), rng.choice([0, 4, 16, 200]), bs, 8)
-  resident = [r for r in bm._seqs if not bm.is_swapped(r)]
+  resident = [r for r in bm.seqs if not bm.is_swapped(r)]
   rng.shuffle(resident)
   one = copy.deepcopy(bm)
   out_a, out_b = PairList(), PairList()
@@ -439,7 +475,7 @@ def test_batched_swaps_equal_one_by_one(seed):
   assert (k, moved) == (done, len(out_b)) and out_a == out_b
   assert _bm_state(bm) == _bm_state(one)
   bm.check_invariants()
-  swapped = [r for r in bm._seqs if bm.is_swapped(r)]
+  swapped = [r for r in bm.seqs if bm.is_swapped(r)]
   rng.shuffle(swapped)
   grow = rng.choice([0, 1, bs + 1])
   columns = copy.deepcopy(bm)  # the same swap-ins into array columns (the scheduler's h2d_pairs)
@@ -492,18 +528,21 @@ def test_swap_out_fast_paths_equal_the_general_path(seed):
   bm = _random_manager(rng, rng.randint(8, 40), rng.choice([4, 16, 200]), bs, 8)
   if rng.random() < 0.7:
     bm.take_writebacks()  # most requests now have clean full blocks: the shortcuts apply
-  for rid in list(bm._seqs):  # fill a last block after the write-back (queued, dirty): the other shortcut
+  for rid in list(bm.seqs):  # fill a last block after the write-back (queued, dirty): the other shortcut
     if not bm.is_swapped(rid) and rng.random() < 0.5:
       room = -bm.num_tokens(rid) % bs
       if room and bm.append_slots(rid, room):
         bm.mark_computed(rid, bm.num_tokens(rid))
-  for rid in [r for r in bm._seqs if not bm.is_swapped(r)]:
+  for rid in [r for r in bm.seqs if not bm.is_swapped(r)]:
     ref = copy.deepcopy(bm)
     out_a, out_b = PairList(), PairList()
     k, moved = bm.swap_out_many((rid,), out_a)
-    m = ref._swap_out_general(rid, ref._seqs[rid], out_b)
+    nhost = ref.seqs[rid].nhost
+    m = swap.swap_out_general(ref.writebacks, rid, ref.seqs[rid], ref.device, ref.host, bs, out_b)
     assert (k == 1) == (m is not None)
     if m is not None:
       assert moved == m and out_a == out_b
-    assert _bm_state(bm) == _bm_state(ref)
+    # swap_out_general leaves the mirror count to its caller: a swapped request's host blocks stop being mirrors.
+    assert _bm_state(bm)[:-1] == _bm_state(ref)[:-1]
+    assert bm.reclaimable_host_blocks() == ref.reclaimable_host_blocks() - (nhost if m is not None else 0)
   bm.check_invariants()

@@ -9,7 +9,7 @@ from superinfer_jax.kv.pairs import PairList
 
 def _state(bm):
   return ({rid: (list(s.dev), s.host.tolist(), list(s.host_tokens), s.num_tokens, s.num_computed, s.nwb)
-           for rid, s in bm._seqs.items()}, list(bm._wb))
+           for rid, s in bm.seqs.items()}, list(bm.writebacks))
 
 
 @pytest.mark.parametrize("seed", range(20))

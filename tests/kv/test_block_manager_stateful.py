@@ -47,8 +47,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
       self.dev[d] = data
 
   def _poison_freed(self, dev_blocks, host_blocks):
-    dev_free = set(self.bm._free_device_ids())
-    host_free = set(self.bm._free_host_ids())
+    dev_free = set(self.bm.device.free_ids())
+    host_free = set(self.bm.host.free_ids())
     for b in dev_blocks:
       if b != NO_BLOCK and b in dev_free:
         self.dev[b] = [POISON] * BS
@@ -142,7 +142,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     if not self.shadow:
       return
     rid = data.draw(st.sampled_from(sorted(self.shadow)))
-    s = self.bm._seqs[rid]
+    s = self.bm.seqs[rid]
     dev, host = list(s.dev), list(s.host)
     self.bm.free(rid)
     self._poison_freed(dev, host)
