@@ -18,6 +18,7 @@ from typing import Optional, Sequence, Union
 
 from superinfer_jax.engine.config import FINISH_STOP, CompletionOutput, RequestOutput, SamplingParams, TokenLogprobs
 from superinfer_jax.engine.detokenizer import IncrementalDetokenizer
+from superinfer_jax.kv.layout import blocks_for
 from superinfer_jax.model.tokenizer import encode_text
 
 PromptType = Union[str, Sequence[int]]
@@ -95,7 +96,7 @@ class ModelLimits:
   block_size: int
 
   def blocks_for_tokens(self, n: int) -> int:
-    return -(-n // self.block_size)
+    return blocks_for(n, self.block_size)
 
 
 class RequestBook:

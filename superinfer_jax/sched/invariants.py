@@ -6,7 +6,7 @@ agree. Reads only: never changes any state. O(requests + blocks); for tests and 
 from __future__ import annotations
 
 from superinfer_jax.sched.request import RequestState
-from superinfer_jax.util import cdiv
+from superinfer_jax.kv.layout import blocks_for
 
 RUNNING = RequestState.RUNNING
 WAITING = RequestState.WAITING
@@ -33,13 +33,13 @@ def check_scheduler(sched) -> None:
     assert r.req_id not in seen, r
     seen.add(r.req_id)
     demand += r.queued_demand
-    assert r.queued_demand == cdiv(r.planned_tokens, bs), r
+    assert r.queued_demand == blocks_for(r.planned_tokens, bs), r
   for r in sched.rotary.requests():
     assert r.state is ROTARY, r
     assert bm.has_request(r.req_id) and bm.is_swapped(r.req_id), r
     assert bm.num_computed(r.req_id) == r.num_computed_tokens, r
     assert r.planned_tokens - r.num_computed_tokens == 1, r  # rotary requests are in decode phase
-    assert r.queued_demand == cdiv(r.planned_tokens, bs), r  # prioritize() reads blk from it
+    assert r.queued_demand == blocks_for(r.planned_tokens, bs), r  # prioritize() reads blk from it
     assert r.req_id not in seen, r
     seen.add(r.req_id)
     demand += r.queued_demand

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from superinfer_jax.sched.queue import QueueView, SortedQueue
 from superinfer_jax.sched.request import Request, RequestState
-from superinfer_jax.util import cdiv
+from superinfer_jax.kv.layout import blocks_for
 
 
 class PendingQueues:
@@ -40,12 +40,12 @@ class PendingQueues:
     """Queues a WAITING (or, with ``preempted``, a PREEMPTED) request where the policy places it."""
     p = self._policy
     key = p.preempted_key(r, self._config) if preempted else p.waiting_key(r, self._config)
-    self.waiting.push(r, key, cdiv(r.planned_tokens, self._block_size))
+    self.waiting.push(r, key, blocks_for(r.planned_tokens, self._block_size))
 
   def enqueue_rotary_many(self, rs) -> None:
     """Queues the ROTARY requests ``rs`` in order, keyed by the policy (one call per step's victims)."""
     bs = self._block_size
-    demands = [(r.prompt_len + r.num_generated + r.inflight_samples + bs - 1) // bs for r in rs]  # cdiv, inline
+    demands = [(r.prompt_len + r.num_generated + r.inflight_samples + bs - 1) // bs for r in rs]  # blocks_for, inline
     self.rotary.push_many(rs, self._policy.rotary_keys(rs, self._config), demands)
 
   def dequeue(self, r: Request) -> None:

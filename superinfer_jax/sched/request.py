@@ -36,7 +36,7 @@ from __future__ import annotations
 import enum
 from typing import Hashable
 
-from superinfer_jax.util import cdiv
+from superinfer_jax.kv.layout import blocks_for
 
 
 class RequestState(enum.Enum):
@@ -129,7 +129,7 @@ class Request:
     rem = self.prompt_len + gen - c
     if rem <= 0 or gen >= self.max_tokens:
       return 0, 0
-    return cdiv(c + rem, block_size) - cdiv(c, block_size), rem
+    return blocks_for(c + rem, block_size) - blocks_for(c, block_size), rem
 
   # ----------------------------------------------------------------------------------------- transitions
   def admit(self, step: int, now: float) -> None:
@@ -258,5 +258,5 @@ def record_scheduled(reqs: dict, seqs, block_size: int, count_needs: bool, on_co
     elif count_needs:  # a prefill chunk short of the known tokens
       rem = r.prompt_len + r.num_generated + r.inflight_samples - new
       need_tok += rem
-      need_blk += (new + rem + bs - 1) // bs - (new + bs - 1) // bs  # cdiv(new + rem) - cdiv(new), inline
+      need_blk += (new + rem + bs - 1) // bs - (new + bs - 1) // bs  # blocks_for(new + rem) - blocks_for(new), inline
   return total, need_blk, need_tok

@@ -77,7 +77,7 @@ from superinfer_jax.sched.policies import make_policy
 from superinfer_jax.sched.protocol import SchedulerStats
 from superinfer_jax.sched.request import Request, RequestState
 from superinfer_jax.sched.step import StepBuilder
-from superinfer_jax.util import cdiv
+from superinfer_jax.kv.layout import blocks_for
 
 RUNNING = RequestState.RUNNING
 WAITING = RequestState.WAITING
@@ -179,7 +179,7 @@ class Scheduler:
   def add_request(self, req: Request) -> None:
     if req.req_id in self.requests:
       raise ValueError(f"request {req.req_id!r} is already live")
-    need = cdiv(req.prompt_len + req.max_tokens - 1, self.bm.block_size)
+    need = blocks_for(req.prompt_len + req.max_tokens - 1, self.bm.block_size)
     if need > self.bm.num_device_blocks:
       raise ValueError(
           f"request {req.req_id!r} can never fit: prompt_len {req.prompt_len} + max_tokens {req.max_tokens} "

@@ -120,7 +120,7 @@ class StepBuilder:
       if rem <= 0 or gen >= r.max_tokens:
         continue
       n = rem if rem < budget else budget
-      # Resident: the manager covers exactly num_computed_tokens slots (cdiv(c + n) - cdiv(c), inline).
+      # Resident: the manager covers exactly num_computed_tokens slots (blocks_for(c + n) - blocks_for(c), inline).
       blocks += (c + n + bs - 1) // bs - (c + bs - 1) // bs
       budget -= n
     return blocks, self._budget - budget
@@ -350,7 +350,7 @@ class StepBuilder:
         elif r.inflight_samples:
           continue
         c = r.num_computed_tokens
-        nblk = (c + bs - 1) // bs  # bm.blocks_to_swap_in(rid) (cdiv, inline)
+        nblk = (c + bs - 1) // bs  # bm.blocks_to_swap_in(rid) (blocks_for, inline)
         if cap is not None and in_moved and in_moved + nblk > cap:  # not in_fits(nblk, cap)
           continue
         need = c // bs + 1  # device blocks for the computed tokens plus the pending token's slot

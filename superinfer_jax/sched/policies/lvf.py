@@ -1,4 +1,4 @@
-"""Least-VLT-first merges of the waiting and rotary queues: lazy iterators over both, highest VLT first.
+"""Largest-VLT-first merges of the waiting and rotary queues: lazy iterators over both, highest VLT first.
 
 Inputs are queue entry lists ``(key, seq, request)`` sorted ascending by key; outputs yield requests. They
 never change the queues."""

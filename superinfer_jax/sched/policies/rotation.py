@@ -9,7 +9,7 @@ from superinfer_jax.sched.policies.base import ROTARY, RUNNING, Policy
 from superinfer_jax.sched.policies.lvf import _lvf_merge
 from superinfer_jax.sched.request import Request
 from superinfer_jax.sched.vlt import rotary_ref_time
-from superinfer_jax.util import cdiv
+from superinfer_jax.kv.layout import blocks_for
 
 
 class RotationPolicy(Policy):
@@ -83,7 +83,7 @@ class RotationPolicy(Policy):
         continue
       if r.state is ROTARY:
         # bm.blocks_to_swap_in(r.req_id): a rotary request's host blocks cover exactly its computed tokens.
-        nin = (r.num_computed_tokens + bs - 1) // bs  # cdiv, inline
+        nin = (r.num_computed_tokens + bs - 1) // bs  # blocks_for, inline
         if in_blocks and in_blocks + nin > bx:
           skips += 1
           if skips >= max_skips:
@@ -144,7 +144,7 @@ class RotationPolicy(Policy):
           continue
         out_copies += copies
       victims.append(v)
-      b_swap -= cdiv(v.num_computed_tokens, bs)  # bm.num_blocks(rid): running => all computed
+      b_swap -= blocks_for(v.num_computed_tokens, bs)  # bm.num_blocks(rid): running => all computed
       seats -= 1
     return victims
 

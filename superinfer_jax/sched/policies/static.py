@@ -6,7 +6,7 @@ import itertools
 
 from superinfer_jax.sched.policies.base import Policy
 from superinfer_jax.sched.request import Request
-from superinfer_jax.util import cdiv
+from superinfer_jax.kv.layout import blocks_for
 
 
 class FCFS(Policy):
@@ -133,7 +133,7 @@ class WaitingFirst(Policy):
     bs = step.bm.block_size
     seats = step.seats_left()
     pool = sorted((v for v in step.running.values() if step.rotatable(v)), key=lambda v: -v.arrival_time)
-    held = [cdiv(v.num_computed_tokens, bs) for v in pool]  # running: blocks cover the computed tokens
+    held = [blocks_for(v.num_computed_tokens, bs) for v in pool]  # running: blocks cover the computed tokens
     left = sum(held)
     victims = []
     i = 0
@@ -142,7 +142,7 @@ class WaitingFirst(Policy):
         break
       c = r.num_computed_tokens
       n = min(r.planned_tokens - c, tokens)
-      need = cdiv(c + n, bs) - cdiv(c, bs)
+      need = blocks_for(c + n, bs) - blocks_for(c, bs)
       if need > free + left or (seats <= 0 and i == len(pool)):
         break  # head-of-line: it cannot fit even with every rotatable running request gone
       while need > free or seats <= 0:
