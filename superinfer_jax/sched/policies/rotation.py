@@ -134,7 +134,7 @@ class RotationPolicy(Policy):
           continue
       elif not victim_ok(v, now):
         continue
-      if not v.rotatable(step_id) or v.resident_for(step_id) < min_residency:
+      if not v.rotatable(step_id) or (min_residency and v.resident_for(step_id) < min_residency):
         continue
       if max_rot is not None and v.num_rotations >= max_rot:
         continue
