@@ -172,16 +172,3 @@ class TickClock:
   def now(self):
     self.t += self.dt
     return self.t
-
-
-def word_tokenizer(vocab_size):
-  """A word-level ``tokenizers`` tokenizer: "w0".."w{V-3}" plus <s> = V-2 (bos) and </s> = V-1 (eos)."""
-  import tokenizers
-  from tokenizers import decoders, models, pre_tokenizers
-  vocab = {f"w{i}": i for i in range(vocab_size - 2)}
-  vocab["<s>"], vocab["</s>"] = vocab_size - 2, vocab_size - 1
-  tok = tokenizers.Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
-  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-  tok.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
-  tok.add_special_tokens([tokenizers.AddedToken("<s>", special=True), tokenizers.AddedToken("</s>", special=True)])
-  return tok

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from test_engine_utils import word_tokenizer
+from support.tiny_models import word_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 96

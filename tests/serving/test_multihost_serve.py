@@ -246,7 +246,7 @@ def _env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-  from test_engine_utils import word_tokenizer
+  from support.tiny_models import word_tokenizer
   from support.tiny_models import save_tiny_hf_model
   from superinfer_jax.model.tokenizer import Tokenizer, save_tokenizer
   d = str(tmp_path_factory.mktemp("tiny_llama_mh_serve"))
@@ -299,6 +299,14 @@ def test_two_process_server_serves_the_tokens_of_one(model_dir, tmp_path):
       assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, output(0) + output(1)
       time.sleep(0.2)
     url = f"http://127.0.0.1:{int(open(port_file).read())}"
+    while True:  # as a client would: the servers precompile their step shapes before they take requests
+      assert all(p.poll() is None for p in procs) and time.monotonic() < deadline + 300, output(0) + output(1)
+      try:
+        if httpx.get(url + "/health", timeout=5).status_code == 200:
+          break
+      except httpx.TransportError:
+        pass
+      time.sleep(0.5)
     results, errors = {}, []
 
     def plain(i):

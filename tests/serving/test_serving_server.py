@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from test_engine_utils import word_tokenizer
+from support.tiny_models import word_tokenizer
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")

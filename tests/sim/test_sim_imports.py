@@ -2,7 +2,8 @@
 
 Allowed: the scheduler, the block manager and KV layout, workloads, metrics, the shared sweep spec
 (``superinfer_jax.sweep``), the config machinery, and the host-side descriptions the cost model reads (a model's
-shape in ``model.config``, its tokenizer for token counts, the transfer-mode names in ``rotation.config``).
+shape in ``model.config``, its tokenizer and chat template for token counts, the transfer-mode names in
+``rotation.config``).
 Not allowed: JAX, the real-run harness (``experiment``), the engine, the model's forward pass, serving, with no
 exemption (the comparison with the real engine is ``experiment/sim_validation.py``). ``calibration.py`` is the profile format and fits only (the measurement is
 ``experiment/calibrate.py``), so it follows the rule with no exemption.
@@ -21,7 +22,7 @@ ALLOWED = ("superinfer_jax.sim", "superinfer_jax.sched", "superinfer_jax.kv", "s
            "superinfer_jax.assets", "superinfer_jax.model.config", "superinfer_jax.model.config_fields",
            "superinfer_jax.model.config_hf", "superinfer_jax.model.config_gguf", "superinfer_jax.model.memory",
            "superinfer_jax.model.paths",
-           "superinfer_jax.model.tokenizer", "superinfer_jax.rotation.config")
+           "superinfer_jax.model.tokenizer", "superinfer_jax.model.chat_template", "superinfer_jax.rotation.config")
 
 
 def _allowed(name: str) -> bool:
