@@ -10,8 +10,8 @@ What a policy sees (everything else is private):
     capacity queries only: a policy never mutates it), ``running`` (a read-only mapping id -> ``Request`` in
     admission order), ``waiting`` / ``rotary`` (``queue.QueueView``: the pending queues head first),
     ``demand_blocks`` (device blocks every waiting + rotary request would need), ``budget_left()``,
-    ``seats_left()``, ``running_needs()``, ``rotatable(r)``, ``resident_long_enough(r)``, ``out_fits`` /
-    ``in_fits`` (the B_xfer caps);
+    ``seats_left()``, ``running_needs()``, ``rotatable(r)``, ``resident_long_enough(r)``, ``out_fits`` (the
+    B_xfer out-cap);
   * operations, in the order a step takes them: ``mark_contention()``; proactive rotation ``rotate_out(r)`` /
     ``rotate_out_many(victims)``; the running set ``schedule_running(reactive_mode, swap_cap)`` (with
     reactive ``evict`` / ``preempt``); admission ``swap_in(r)``, ``admit_waiting(r)``, ``admit(r)``,
@@ -25,16 +25,12 @@ the copy lists: ``kv/block_manager.py``. Pure Python, no JAX.
 """
 from __future__ import annotations
 
-import types
-
 from superinfer_jax.sched.plan import ScheduledSeq, StepPlan
 from superinfer_jax.sched.request import (Request, RequestState, record_scheduled, rotate_in_all,
                                           rotate_out_all)
 
 RUNNING = RequestState.RUNNING
-WAITING = RequestState.WAITING
 ROTARY = RequestState.ROTARY
-PREEMPTED = RequestState.PREEMPTED
 
 
 class StepBuilder:
@@ -76,10 +72,6 @@ class StepBuilder:
   def seats_left(self) -> int:
     return self.config.max_num_seqs - len(self._running)
 
-  def will_finish(self, r: Request) -> bool:
-    """True when in-flight samples already take the request to max_tokens (do not schedule it again)."""
-    return r.num_generated + r.inflight_samples >= r.max_tokens
-
   def rotatable(self, r: Request) -> bool:
     """``r.rotatable(step_id)``: it may be rotated out in this step (``Request.rotatable``)."""
     return r.rotatable(self.step_id)
@@ -92,9 +84,6 @@ class StepBuilder:
     """``copies`` more D2H pairs fit the cap (the first swap-out of a step always fits: a request larger than
     B_xfer may move alone)."""
     return cap is None or self._out_moved + copies <= cap or self._out_moved == 0
-
-  def in_fits(self, blocks: int, cap: int | None) -> bool:
-    return cap is None or self._in_moved + blocks <= cap or self._in_moved == 0
 
   def running_needs(self) -> tuple[int, int]:
     """(device blocks, tokens) the running requests need this step, in admission order under the token budget.
@@ -168,7 +157,7 @@ class StepBuilder:
         break
       gen = r.num_generated + r.inflight_samples
       rem = r.prompt_len + gen - r.num_computed_tokens
-      if rem <= 0 or gen >= r.max_tokens:  # nothing to compute, or will_finish(r)
+      if rem <= 0 or gen >= r.max_tokens:  # nothing to compute, or in-flight samples reach max_tokens
         continue
       n = rem if rem < budget else budget
       rid = r.req_id
@@ -351,7 +340,7 @@ class StepBuilder:
           continue
         c = r.num_computed_tokens
         nblk = (c + bs - 1) // bs  # bm.blocks_to_swap_in(rid) (blocks_for, inline)
-        if cap is not None and in_moved and in_moved + nblk > cap:  # not in_fits(nblk, cap)
+        if cap is not None and in_moved and in_moved + nblk > cap:  # the in-cap (the first swap-in always fits)
           continue
         need = c // bs + 1  # device blocks for the computed tokens plus the pending token's slot
       if need > free:

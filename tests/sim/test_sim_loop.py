@@ -108,7 +108,7 @@ def test_simulator_plans_equal_a_direct_drive_of_the_scheduler(policy, pipeline)
     assert res.counters["blocks_in"] == sum(len(p["swap_in"]) for p in seen)
   else:
     assert res.counters["rotations_out"] == 0
-  # Finishing by length is known at plan time (Scheduler.will_finish), so no lookahead slot is wasted on a
+  # Finishing by length is known at plan time (the step skips a request whose in-flight samples reach max_tokens), so no lookahead slot is wasted on a
   # request that finishes in the step in flight; the loop still drops such seqs as the engine does.
   assert res.counters["dropped_seqs"] == 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from superinfer_jax.sched.policies.base import ROTARY, RUNNING, Policy
+from superinfer_jax.sched.policies.base import ROTARY, Policy
 from superinfer_jax.sched.policies.lvf import _lvf_merge
 from superinfer_jax.sched.request import Request
 from superinfer_jax.sched.vlt import rotary_ref_time
