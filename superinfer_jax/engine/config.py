@@ -146,7 +146,8 @@ class RequestOutput:
   ``state`` one of "running" (admitted, or its KV rotated back in), "rotary" (KV rotated out to host
   memory), "preempted" (KV dropped, to be recomputed): what a timeline needs without reading the
   scheduler. ``logprobs`` (only when the request asked, ``SamplingParams.logprobs``): one ``TokenLogprobs``
-  per token of ``token_ids``.
+  per token of ``token_ids``. ``num_cached_tokens``: prompt tokens whose KV its first admission found in the
+  prefix cache (None until admitted; 0 with caching off).
   """
   request_id: str
   token_ids: list[int]
@@ -158,12 +159,13 @@ class RequestOutput:
   error: Optional[str] = None
   state_changes: list[tuple[float, str]] = dataclasses.field(default_factory=list)
   logprobs: Optional[list[TokenLogprobs]] = None
+  num_cached_tokens: Optional[int] = None
 
 
 @dataclasses.dataclass
 class CompletionOutput:
-  """The whole result of one request, as ``LLMEngine.generate`` returns it (``logprobs`` as in
-  ``RequestOutput``, for every output token)."""
+  """The whole result of one request, as ``LLMEngine.generate`` returns it (``logprobs`` and
+  ``num_cached_tokens`` as in ``RequestOutput``, for every output token)."""
   request_id: str
   prompt_token_ids: list[int]
   token_ids: list[int]
@@ -172,6 +174,7 @@ class CompletionOutput:
   timestamps: list[float]
   arrival_time: float
   logprobs: Optional[list[TokenLogprobs]] = None
+  num_cached_tokens: Optional[int] = None
 
 
 # ----------------------------------------------------------------------------------------------- flags

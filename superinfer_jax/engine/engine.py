@@ -124,7 +124,8 @@ class LLMEngine:
     self.replica = distributed.replicated_schedule(self.clock)   # multi-process: shared clock, plan digest
     if self.replica is not None:
       self.clock = self.replica
-    self.block_manager = BlockManager(runner.num_device_blocks, runner.num_host_blocks, config.block_size)  # tests inspect it
+    self.block_manager = BlockManager(runner.num_device_blocks, runner.num_host_blocks, config.block_size,
+                                      host_prefix_cache=config.scheduler.host_prefix_cache)  # tests inspect it
     scheduler: SchedulerProtocol = (scheduler_factory or Scheduler)(config.scheduler, self.block_manager,
                                                                     self.clock)
     if self.replica is not None:
@@ -132,7 +133,8 @@ class LLMEngine:
     limits = ModelLimits(cfg.vocab_size, self.max_model_len, self.eos_token_ids, runner.num_device_blocks,
                          config.block_size)
     self.book = RequestBook(limits, tokenizer, self.clock, config.seed)
-    self.loop = StepLoop(config, scheduler, self.book, runner, EngineStats(), self.clock)
+    self.loop = StepLoop(config, scheduler, self.book, runner, EngineStats(), self.clock,
+                         model_key=_model_key(cfg, config))
     self.loop.idle_probe = idle_probe
     self.loop.on_read = self._release_deferred
     self._release_after_step: set[str] = set()   # release() of requests still in a step in flight
@@ -180,11 +182,13 @@ class LLMEngine:
   # ---------------------------------------------------------------------------------------- requests
   def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None, *,
                   request_id: Optional[str] = None, ttft_slo: Optional[float] = None,
-                  tbt_slo: Optional[float] = None, arrival_time: Optional[float] = None) -> str:
+                  tbt_slo: Optional[float] = None, arrival_time: Optional[float] = None,
+                  cache_salt: Optional[str] = None) -> str:
     """Queues a request; returns its id. Raises ``RequestError`` (a ValueError) for a bad request, leaving
-    the engine and every other request untouched."""
+    the engine and every other request untouched. ``cache_salt``: with prefix caching on, only requests of
+    the same salt (or all without one) share cached KV blocks (a non-empty string, or None)."""
     r = self.book.new_request(prompt, params, request_id=request_id, ttft_slo=ttft_slo, tbt_slo=tbt_slo,
-                              arrival_time=arrival_time)
+                              arrival_time=arrival_time, cache_salt=cache_salt)
     self.loop.add_request(r)
     return r.request_id
 
@@ -286,3 +290,9 @@ class LLMEngine:
   def check_invariants(self) -> None:
     """The scheduler's and its block manager's invariants (``AssertionError`` on the first violation)."""
     self.loop.check_invariants()
+
+
+def _model_key(cfg, config) -> str:
+  """The model's identity in prefix-cache hashes: its architecture and the dtype its KV is computed in (one
+  engine serves one model; the key keeps hashes of other models or dtypes apart wherever blocks meet)."""
+  return f"{cfg!r}|{config.model!r}"

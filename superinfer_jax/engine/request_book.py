@@ -33,6 +33,19 @@ class RequestError(ValueError):
   """A request was rejected at ``add_request`` (empty / too long prompt, can never fit, bad params)."""
 
 
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def check_cache_salt(cache_salt) -> None:
+  """``RequestError`` naming ``cache_salt`` unless it is None or a non-empty string of at most
+  ``MAX_CACHE_SALT_CHARS`` characters."""
+  if cache_salt is None:
+    return
+  if not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > MAX_CACHE_SALT_CHARS:
+    raise RequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
+                       f"got {cache_salt!r:.80}")
+
+
 @dataclasses.dataclass
 class EngineRequest:
   """Engine-side state of one request: its tokens, timestamps, stop state and the output not yet returned."""
@@ -45,6 +58,9 @@ class EngineRequest:
   ttft_slo: Optional[float]
   tbt_slo: Optional[float]
   detok: Optional[IncrementalDetokenizer]
+  cache_salt: Optional[str] = None  # prefix caching isolation: only requests of equal salt share KV blocks
+  # Prompt tokens its first admission found in the prefix cache (None until admitted).
+  num_cached_tokens: Optional[int] = None
   output_token_ids: list[int] = dataclasses.field(default_factory=list)
   timestamps: list[float] = dataclasses.field(default_factory=list)
   text: str = ""
@@ -115,9 +131,10 @@ class RequestBook:
   # ------------------------------------------------------------------------------------------- admission
   def new_request(self, prompt: PromptType, params: Optional[SamplingParams], *, request_id: Optional[str],
                   ttft_slo: Optional[float], tbt_slo: Optional[float],
-                  arrival_time: Optional[float]) -> EngineRequest:
+                  arrival_time: Optional[float], cache_salt: Optional[str] = None) -> EngineRequest:
     """A validated request (``RequestError`` if bad), not in the book yet: ``add`` it once the scheduler has
-    queued it."""
+    queued it. ``cache_salt``: a non-empty string of at most ``MAX_CACHE_SALT_CHARS`` characters, or None."""
+    check_cache_salt(cache_salt)
     params = dataclasses.replace(params) if params is not None else SamplingParams()
     lim = self.limits
     try:
@@ -142,7 +159,7 @@ class RequestBook:
              if self.tokenizer is not None else None)
     return EngineRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params, seed=seed,
                          max_total_len=max_total, arrival_time=now, ttft_slo=ttft_slo, tbt_slo=tbt_slo,
-                         detok=detok)
+                         detok=detok, cache_salt=cache_salt)
 
   def add(self, r: EngineRequest) -> None:
     """Puts a request made by ``new_request`` (and queued by the scheduler) in the book, unfinished."""
@@ -188,7 +205,14 @@ class RequestBook:
     return CompletionOutput(request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
                             token_ids=list(r.output_token_ids), text=r.text, finish_reason=r.finish_reason,
                             timestamps=list(r.timestamps), arrival_time=r.arrival_time,
-                            logprobs=list(r.logprobs) if r.params.logprobs is not None else None)
+                            logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
+                            num_cached_tokens=r.num_cached_tokens)
+
+  def record_cached(self, request_id: str, num_cached_tokens: int) -> None:
+    """Records the prompt tokens a request's first admission found cached (later admissions are ignored)."""
+    r = self.reqs.get(request_id)
+    if r is not None and r.num_cached_tokens is None:
+      r.num_cached_tokens = num_cached_tokens
 
   def record_state(self, request_id: str, t: float, state: str) -> None:
     """Queues a scheduling state change (``RequestOutput.state_changes``) of an unfinished request."""
@@ -250,7 +274,8 @@ class RequestBook:
                                 timestamps=r.pending_times, finished=r.finished,
                                 finish_reason=r.finish_reason, prompt_token_ids=r.prompt_token_ids,
                                 error=r.error, state_changes=r.pending_states,
-                                logprobs=r.pending_logprobs if r.params.logprobs is not None else None))
+                                logprobs=r.pending_logprobs if r.params.logprobs is not None else None,
+                                num_cached_tokens=r.num_cached_tokens))
       r.pending_tokens, r.pending_times, r.pending_text, r.pending_states = [], [], "", []
       r.pending_logprobs = []
       if r.finished:

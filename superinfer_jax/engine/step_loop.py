@@ -47,6 +47,7 @@ from superinfer_jax.engine.request_book import EngineRequest, RequestBook, Reque
 from superinfer_jax.engine.host_batch import HostBatch, SeqInput
 from superinfer_jax.engine.sampling import sampling_mode
 from superinfer_jax.engine.stats import EngineStats
+from superinfer_jax.kv.prefix_hash import block_hashes, extra_key_of
 from superinfer_jax.sched import Request
 
 _STATES = (("rotated_out", "rotary"), ("preempted", "preempted"), ("rotated_in", "running"),
@@ -74,8 +75,11 @@ class StepLoop:
   steps through it). ``idle_probe``: an ``engine.idle_probe.DeviceIdleProbe`` or None.
   """
 
-  def __init__(self, config, scheduler, book: RequestBook, runner, stats: EngineStats, clock):
+  def __init__(self, config, scheduler, book: RequestBook, runner, stats: EngineStats, clock,
+               model_key: str = ""):
+    """``model_key``: the model's identity in prefix-cache hashes (``kv/prefix_hash.extra_key_of``)."""
     self.config = config
+    self.model_key = model_key
     self.scheduler = scheduler
     self.book = book
     self.runner = runner
@@ -93,9 +97,12 @@ class StepLoop:
   def add_request(self, r: EngineRequest) -> None:
     """Queues a request made by ``RequestBook.new_request`` on the scheduler (its refusal -> ``RequestError``,
     nothing changed), then puts it in the book."""
+    hashes = None
+    if self.config.scheduler.enable_prefix_caching:
+      hashes = block_hashes(r.prompt_token_ids, self.config.block_size, extra_key_of(self.model_key, r.cache_salt))
     try:
       self.scheduler.add_request(Request(r.request_id, len(r.prompt_token_ids), r.max_tokens, r.arrival_time,
-                                         ttft_slo=r.ttft_slo, tbt_slo=r.tbt_slo))
+                                         ttft_slo=r.ttft_slo, tbt_slo=r.tbt_slo, block_hashes=hashes))
     except ValueError as e:
       raise RequestError(str(e)) from None
     self.book.add(r)
@@ -207,6 +214,11 @@ class StepLoop:
     for field, state in _STATES:
       for rid in getattr(plan, field):
         self.book.record_state(rid, plan.time, state)
+    if plan.admitted:
+      admitted = set(plan.admitted)
+      for seq in plan.scheduled:
+        if seq.req_id in admitted:  # an admission's prefill starts after its cached prefix
+          self.book.record_cached(seq.req_id, seq.num_computed_tokens)
     return plan
 
   def _issue(self, plan) -> None:

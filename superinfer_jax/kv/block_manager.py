@@ -17,9 +17,11 @@ Each tier is a ``BlockPool`` (``kv/block_pool.py``), ``manager.device`` and ``ma
   depend only on the order of allocations and releases. A request's blocks are taken as one slice and
   released with one ``extend`` (C speed; no per-block Python work on the rotation path, which moves up to
   B_xfer blocks per step each way).
-* Every allocated block has exactly one owner, a (request, logical block) slot; the reference count is
-  therefore implicit (1 off the free queue, 0 on it). ``BlockPool`` is where explicit counts (and the
-  cached-block LRU) go once prefix caching shares blocks.
+* Ownership rule: a block off the free queue is owned by one or more (request, logical block) slots; one owner
+  is implicit, extra owners are counted in ``BlockPool.refs``. A block any live request references is never
+  free and never written while shared (only full blocks are shared; KV is append-only). Prefix caching
+  (docs/prefix_caching.md) shares blocks: a published block whose last owner lets go waits in its pool's
+  LRU (``evictable``), counted as free and still findable, until a take evicts it.
 
 Block ids are stored as ``array('i')``: host ids (``HOST_IDS``) in each request's ``host`` column and the host
 free queue, device ids (``DEV_IDS``) in each request's ``dev`` column, the device free queue and every block table
@@ -68,7 +70,7 @@ Public fields, read-only outside ``kv/``: ``device`` and ``host`` (the ``BlockPo
 
 Public API
 ----------
-``BlockManager(num_device_blocks, num_host_blocks, block_size)``
+``BlockManager(num_device_blocks, num_host_blocks, block_size, host_prefix_cache=True)``
 
 Capacity queries (all O(1) unless noted):
   * ``num_free_device_blocks``, ``num_free_host_blocks`` (properties), ``host_usage()`` and
@@ -85,6 +87,17 @@ Capacity queries (all O(1) unless noted):
   * ``num_blocks(req_id)``, ``num_tokens(req_id)``, ``num_computed(req_id)``, ``is_swapped(req_id)``,
     ``has_request(req_id)`` / ``req_id in manager``, ``num_requests``, ``pending_writebacks()`` (queued
     write-back blocks), ``stats()`` (a dict of free blocks, requests and pending write-backs).
+
+Prefix caching (requests created by ``allocate_prefix`` take part; docs/prefix_caching.md):
+  * ``lookup_prefix(hashes, max_blocks) -> (device, host)``: leading blocks published on device, then on host.
+  * ``allocate_prefix(req_id, hashes, device_hits, host_loads, total_tokens, out) -> bool``: create a request
+    on its cached prefix (device hits shared, host hits loaded by H2D pairs appended to ``out``).
+  * ``begin_step()``: publishes the last step's host copies (the scheduler calls it first in each step).
+  * ``num_cached_requests``, ``prefix_cache_stats()``, ``readopted_blocks``.
+  * While any block is published or shared (``BlockPool.shared``) or a cached request lives, rotation and
+    write-back take the per-request ``*_shared`` paths of ``swap.py`` / ``writeback.py``: device blocks are
+    released tail first, a rotated-out request's own blocks stay findable under its private rotation key
+    and a swap-in re-adopts those still on device with no copy; write-back shares a published host copy.
 
 Mutations:
   * ``append_slots(req_id, num_new_tokens) -> bool``: grow a resident (or new: the first call creates the
@@ -156,7 +169,7 @@ from array import array
 
 from superinfer_jax.kv import swap, writeback
 from superinfer_jax.kv.block_pool import BlockPool
-from superinfer_jax.kv.block_seq import NO_BLOCK, ReqId, SeqBlocks, no_block_ids
+from superinfer_jax.kv.block_seq import NO_BLOCK, ReqId, SeqBlocks, no_block_ids, rotation_key
 from superinfer_jax.kv.invariants import check_invariants as _check_invariants
 from superinfer_jax.kv.layout import blocks_for
 from superinfer_jax.kv.pairs import DEV_IDS, HOST_IDS, PairList
@@ -168,7 +181,7 @@ __all__ = ["BlockManager", "NO_BLOCK"]
 class BlockManager:
   """Device + host block pools and per-request block tables. See the module docstring for the API."""
 
-  def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int):
+  def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int, host_prefix_cache: bool = True):
     if num_device_blocks < 1:
       raise ValueError(f"num_device_blocks must be >= 1, got {num_device_blocks}")
     if num_host_blocks < 0:
@@ -183,8 +196,19 @@ class BlockManager:
     self.seqs: dict[ReqId, SeqBlocks] = {}
     self.writebacks = WriteBackQueue()
     self._mirrors = 0  # host blocks held by resident requests (clean or stale mirrors)
+    self.host_prefix_cache = host_prefix_cache
+    self._ncached = 0  # live requests taking part in prefix caching (SeqBlocks.hashes not None)
+    # Host copies of content-hashed blocks made in the current step, (host id, hash, req_id, logical block):
+    # published by the next begin_step, once their D2H copies are ordered before any H2D copy that reads them.
+    self._host_published: list = []
+    self.readopted_blocks = 0  # device blocks a swap-in re-adopted with no copy (a request's own re-hits)
 
   # ---------------------------------------------------------------- capacity queries
+  @property
+  def _sharing(self) -> bool:
+    """The per-request paths that keep reference counts and publish blocks are in force (``kv/swap.py``)."""
+    return bool(self._ncached) or self.device.shared or self.host.shared
+
   @property
   def num_free_device_blocks(self) -> int:
     return self.device.num_free
@@ -327,6 +351,16 @@ class BlockManager:
     end = num_computed_tokens // bs
     if end > first:
       self.writebacks.queue_filled(req_id, s, first, end, bs)
+      if s.hashes:
+        self._publish_device(s, first, end)
+
+  def _publish_device(self, s: SeqBlocks, first: int, end: int) -> None:
+    """Publishes logical blocks ``first..end-1`` of ``s`` (just full and computed) under their content hashes
+    (those that have one; a hash published already by another block of the same content stays with it)."""
+    hashes = s.hashes
+    publish = self.device.publish
+    for i in range(first, min(end, len(hashes))):
+      publish(s.dev[i], hashes[i])
 
   def mark_computed_next(self, req_ids) -> None:
     """``mark_computed(req_id, num_computed + 1)`` for each id in order (resident requests with an uncomputed
@@ -342,12 +376,20 @@ class BlockManager:
       s.num_computed = c
       if not c % bs:  # block c // bs - 1 just filled
         self.writebacks.queue_filled(req_id, s, c // bs - 1, c // bs, bs)
+        if s.hashes:
+          self._publish_device(s, c // bs - 1, c // bs)
 
   # ---------------------------------------------------------------- write-back (kv/writeback.py)
   def take_writebacks(self, max_blocks: int | None = None, min_free_host: int = 0) -> PairList:
     """Eager write-back: D2H pairs for full, computed, dirty blocks (oldest first); marks them clean."""
-    pairs, taken = writeback.take_writebacks(self.writebacks, self.seqs, self.host, self.block_size, max_blocks,
-                                             min_free_host)
+    if self._sharing:
+      published = []
+      pairs, taken = writeback.take_writebacks_shared(self.writebacks, self.seqs, self.host, self.block_size,
+                                                      max_blocks, min_free_host, published)
+      self._queue_host_published(published)
+    else:
+      pairs, taken = writeback.take_writebacks(self.writebacks, self.seqs, self.host, self.block_size, max_blocks,
+                                               min_free_host)
     self._mirrors += taken
     return pairs
 
@@ -386,8 +428,14 @@ class BlockManager:
     appended to ``out`` in order); ``req_ids[k]``, if any, is unchanged (host pool too small). The
     scheduler rotates a step's victims out with one call.
     """
-    done, moved, mirrors = swap.swap_out_many(self.seqs, self.device, self.host, self.writebacks, self.block_size,
-                                              req_ids, out)
+    if self._sharing:
+      published = []
+      done, moved, mirrors = swap.swap_out_shared(self.seqs, self.device, self.host, self.writebacks,
+                                                  self.block_size, req_ids, out, published)
+      self._queue_host_published(published)
+    else:
+      done, moved, mirrors = swap.swap_out_many(self.seqs, self.device, self.host, self.writebacks,
+                                                self.block_size, req_ids, out)
     self._mirrors += mirrors
     return done, moved
 
@@ -421,7 +469,12 @@ class BlockManager:
     fresh arrays); their H2D pairs are appended to ``out`` in order. The device blocks are exactly those the
     calls one by one would take. The scheduler rotates a step's requests in with one call.
     """
-    tables, mirrors = swap.swap_in_many(self.seqs, self.device, self.block_size, req_ids, num_new_tokens, out)
+    if self._sharing:
+      tables, mirrors, readopted = swap.swap_in_shared(self.seqs, self.device, self.block_size, req_ids,
+                                                       num_new_tokens, out)
+      self.readopted_blocks += readopted
+    else:
+      tables, mirrors = swap.swap_in_many(self.seqs, self.device, self.block_size, req_ids, num_new_tokens, out)
     self._mirrors += mirrors
     return tables
 
@@ -433,6 +486,9 @@ class BlockManager:
       return
     if s.nwb:
       self.writebacks.drop(req_id, s)
+    if self._sharing:
+      self._free_shared(req_id, s)
+      return
     ids = s.host
     if not s.on_host:
       self._mirrors -= s.nhost
@@ -441,6 +497,131 @@ class BlockManager:
       self.host.release(ids)
     elif s.nhost:
       self.host.release(array(HOST_IDS, [h for h in ids if h != NO_BLOCK]))
+
+  def _free_shared(self, req_id: ReqId, s: SeqBlocks) -> None:
+    """``free`` with shared blocks: its private rotation keys are forgotten, then its device and host blocks
+    released tail first (published ones stay findable, in the LRU)."""
+    if s.hashes is not None:
+      self._ncached -= 1
+      if s.on_host:
+        for i in range(len(s.host)):
+          key = rotation_key(req_id, i)
+          if key in self.device.index:
+            self.device.forget(key)
+    if not s.on_host:
+      self._mirrors -= s.nhost
+      self.device.release(s.dev[::-1])
+    if s.nhost:
+      self.host.release(array(HOST_IDS, [h for h in reversed(s.host) if h != NO_BLOCK]))
+
+  # ---------------------------------------------------------------- prefix caching
+  def begin_step(self) -> None:
+    """Starts a scheduling step: the host copies of content-hashed blocks made in the last step are published
+    (host tier on), those whose request still holds them clean. Their D2H copies were issued in that step, so
+    every H2D copy that can read them now comes later (ordering contract 3)."""
+    pending = self._host_published
+    if not pending:
+      return
+    self._host_published = []
+    if not self.host_prefix_cache:
+      return
+    seqs = self.seqs
+    publish = self.host.publish
+    bs = self.block_size
+    for h, key, req_id, i in pending:
+      s = seqs.get(req_id)
+      if s is not None and i < len(s.host) and s.host[i] == h and s.host_tokens[i] == bs:
+        publish(h, key)
+
+  def _queue_host_published(self, published: list) -> None:
+    """Queues ``(host id, hash, req_id, logical block)`` entries for ``begin_step`` (host tier on)."""
+    if published and self.host_prefix_cache:
+      self._host_published += published
+
+  @property
+  def num_cached_requests(self) -> int:
+    """Live requests taking part in prefix caching."""
+    return self._ncached
+
+  def lookup_prefix(self, hashes, max_blocks: int) -> tuple[int, int]:
+    """``(device, host)``: the longest run of ``hashes``' leading blocks (at most ``max_blocks``) published on
+    device, then how many of the blocks after it are published on host (0 with the host tier off). Never
+    changes anything."""
+    n = min(max_blocks, len(hashes))
+    index = self.device.index
+    d = 0
+    while d < n and hashes[d] in index:
+      d += 1
+    h = d
+    if self.host_prefix_cache:
+      hindex = self.host.index
+      while h < n and hashes[h] in hindex:
+        h += 1
+    return d, h - d
+
+  def cached_prefix_blocks(self, hashes, max_blocks: int) -> int:
+    """Leading blocks of ``hashes`` (at most ``max_blocks``) whose KV is published on device now."""
+    return self.lookup_prefix(hashes, max_blocks)[0] if hashes else 0
+
+  def allocate_prefix(self, req_id: ReqId, hashes: tuple, device_hits: int, host_loads: int, total_tokens: int,
+                      out: PairList) -> bool:
+    """Creates request ``req_id`` (unknown to the manager) covering ``total_tokens`` slots, its first
+    ``device_hits`` logical blocks the published device blocks of ``hashes`` (shared, no copy), the next
+    ``host_loads`` fresh device blocks loaded from the published host copies (H2D pairs appended to ``out``;
+    the host copies become its clean mirrors), the rest fresh. Its computed tokens are those hit blocks',
+    ``(device_hits + host_loads) * block_size``, which must be < ``total_tokens``. The request takes part in
+    prefix caching from now on (its blocks are published as they fill). All-or-nothing: False (nothing
+    changed) if the device pool lacks blocks. ``lookup_prefix`` gives hits that are valid until the next
+    mutation."""
+    if req_id in self.seqs:
+      raise ValueError(f"allocate_prefix: request {req_id!r} exists")
+    bs = self.block_size
+    hit = device_hits + host_loads
+    if hit * bs >= total_tokens or hit > len(hashes):
+      raise ValueError(f"allocate_prefix({req_id!r}): {hit} hit blocks for {total_tokens} tokens "
+                       f"({len(hashes)} hashes)")
+    dev_pool = self.device
+    index = dev_pool.index
+    hit_dev = [index[hashes[i]] for i in range(device_hits)]
+    total = blocks_for(total_tokens, bs)
+    revive = sum(1 for b in hit_dev if dev_pool.is_evictable(b))
+    if total - device_hits + revive > dev_pool.num_free:
+      return False
+    for b in hit_dev:
+      dev_pool.share(b)
+    fresh = dev_pool.take(total - device_hits)
+    s = self.seqs[req_id] = SeqBlocks()
+    s.hashes = hashes
+    self._ncached += 1
+    s.dev += array(DEV_IDS, hit_dev)
+    s.dev += fresh
+    s.host += no_block_ids(total)
+    s.host_tokens += [0] * total
+    hindex = self.host.index
+    for i in range(device_hits, hit):
+      h = hindex[hashes[i]]
+      self.host.share(h)
+      s.host[i] = h
+      s.host_tokens[i] = bs
+      out.srcs.append(h)
+      out.dsts.append(s.dev[i])
+    s.nhost = host_loads
+    self._mirrors += host_loads
+    s.num_tokens = total_tokens
+    s.num_computed = hit * bs
+    if device_hits:  # full, computed and without a host copy: dirty (write-back shares a published one)
+      self.writebacks.queue_filled(req_id, s, 0, device_hits, bs)
+    if host_loads:  # their KV is on device before the step that reads it runs (ordering contract 1)
+      self._publish_device(s, device_hits, hit)
+    return True
+
+  def prefix_cache_stats(self) -> dict:
+    """Cached blocks per tier (published), evictable ones, evictions so far, re-adopted blocks."""
+    d, h = self.device, self.host
+    return {"device_cached_blocks": len(d.index), "device_evictable_blocks": len(d.evictable),
+            "device_evictions": d.evictions, "host_cached_blocks": len(h.index),
+            "host_evictable_blocks": len(h.evictable), "host_evictions": h.evictions,
+            "readopted_blocks": self.readopted_blocks}
 
   # ---------------------------------------------------------------- invariants
   def check_invariants(self) -> None:

@@ -40,7 +40,7 @@ def extend_column(col, pieces: list, typecode: str) -> None:
 class SeqBlocks:
   """One request's logical blocks (parallel columns, indexed by logical block; ``dev`` is empty while the
   request is swapped out, so ``len(host)`` is the block count in both states)."""
-  __slots__ = ("dev", "host", "host_tokens", "num_tokens", "num_computed", "on_host", "nwb", "nhost")
+  __slots__ = ("dev", "host", "host_tokens", "num_tokens", "num_computed", "on_host", "nwb", "nhost", "hashes")
 
   def __init__(self):
     self.dev = array(DEV_IDS)  # device block ids
@@ -51,6 +51,9 @@ class SeqBlocks:
     self.on_host = False
     self.nwb = 0  # entries of this request in the write-back queue
     self.nhost = 0  # host ids in ``host`` (not NO_BLOCK); avoids scanning ``host`` on the hot paths
+    # Content hashes of its full prompt blocks (``kv/prefix_hash.py``), or None: the request takes no part in
+    # prefix caching (nothing of it is published, looked up or re-adopted).
+    self.hashes: tuple | None = None
 
 
 def computed_in_block(s: SeqBlocks, i: int, block_size: int) -> int:
@@ -76,3 +79,9 @@ def dirty_blocks(s: SeqBlocks, block_size: int) -> list[int]:
   if tail and ht[nfull] < tail:
     out.append(nfull)
   return out
+
+
+def rotation_key(req_id: ReqId, i: int) -> tuple:
+  """The private key under which a rotated-out request's logical block ``i`` stays findable on device (by
+  that request only: content hashes are ints, so a tuple never equals one)."""
+  return ("rotated", req_id, i)

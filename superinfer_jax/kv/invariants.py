@@ -21,6 +21,37 @@ def check_invariants(bm) -> None:
   _check_counts(bm)
   assert dev_owners[PADDING_BLOCK] == 0, "padding block in use"
   _check_free_lists(bm, dev_owners, host_owners)
+  _check_published(bm)
+
+
+def _check_published(bm) -> None:
+  """Prefix caching: a published block holds what its key says. A device block published under a content hash
+  and owned is full and computed for an owner whose hash it is; one under a rotation key belongs to that
+  swapped-out request's logical block and is evictable; a published host block owned by a request is a clean
+  full copy of a block of that hash."""
+  bs = bm.block_size
+  written = {}  # device block -> content hashes of owners that have it full and computed
+  host_clean = {}
+  for rid, s in bm.seqs.items():
+    hashes = s.hashes or ()
+    for i in range(min(len(hashes), s.num_computed // bs)):
+      if not s.on_host:
+        written.setdefault(s.dev[i], set()).add(hashes[i])
+      if s.host[i] != NO_BLOCK and s.host_tokens[i] == bs:
+        host_clean.setdefault(s.host[i], set()).add(hashes[i])
+  dev = bm.device
+  for key, b in dev.index.items():
+    if isinstance(key, tuple):
+      _, rid, i = key
+      s = bm.seqs.get(rid)
+      assert s is not None and s.on_host and i < len(s.host), f"rotation key {key!r} of no swapped-out request"
+      assert dev.is_evictable(b), f"rotation key {key!r}: block {b} is owned"
+    elif not dev.is_evictable(b):
+      assert key in written.get(b, ()), f"device block {b} published before an owner of that hash computed it"
+  host = bm.host
+  for key, h in host.index.items():
+    if not host.is_evictable(h):
+      assert key in host_clean.get(h, ()), f"host block {h} published without a clean copy of that hash"
 
 
 def _check_seq(bm, rid, s, dev_owners: list[int], host_owners: list[int]) -> None:
@@ -76,13 +107,11 @@ def _check_free_lists(bm, dev_owners: list[int], host_owners: list[int]) -> None
   """Each pool's free queue is well formed and holds exactly the blocks nobody owns."""
   bm.device.check()
   bm.host.check()
-  dev_free = set(bm.device.free_ids())
-  assert PADDING_BLOCK not in dev_free, "padding block on the free list"
-  for b in range(1, bm.num_device_blocks + 1):
-    assert dev_owners[b] <= 1, f"device block {b} owned {dev_owners[b]} times"
-    assert (b in dev_free) == (dev_owners[b] == 0), f"device block {b}: free={b in dev_free}, owners={dev_owners[b]}"
-  host_free = set(bm.host.free_ids())
-  for b in range(bm.num_host_blocks):
-    assert host_owners[b] <= 1, f"host block {b} owned {host_owners[b]} times"
-    assert (b in host_free) == (host_owners[b] == 0), (
-        f"host block {b}: free={b in host_free}, owners={host_owners[b]}")
+  for name, pool, owners, lo in (("device", bm.device, dev_owners, 1), ("host", bm.host, host_owners, 0)):
+    free = set(pool.free_ids()) | set(pool.evictable)
+    assert PADDING_BLOCK not in free or name == "host", "padding block on the free list"
+    for b in range(lo, len(owners)):
+      n = owners[b]
+      assert (b in free) == (n == 0), f"{name} block {b}: free={b in free}, owners={n}"
+      if n:
+        assert n == pool.owners(b), f"{name} block {b}: {n} owners but the count says {pool.owners(b)}"

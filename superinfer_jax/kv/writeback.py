@@ -135,3 +135,61 @@ def drop_host_mirrors(queue: WriteBackQueue, req_id: ReqId, s: SeqBlocks, host: 
   wb.update(dict.fromkeys([(req_id, i) for i in range(s.num_computed // block_size)]))
   s.nwb += len(wb) - queued
   return released
+
+
+def take_writebacks_shared(queue: WriteBackQueue, seqs: dict, host: BlockPool, block_size: int,
+                           max_blocks: int | None, min_free_host: int, host_published: list) -> tuple[PairList, int]:
+  """``take_writebacks`` when the host pool has published or shared blocks: the same order and limits, with
+  two differences. A queued block whose content hash is published on host already (another request's copy,
+  or an evictable one) shares that copy: it is clean at once, with no pair. And each host copy made for a
+  block with a content hash is appended to ``host_published`` as ``(host id, hash, req_id, logical block)`` (published a step
+  later: ordering). Host blocks come through ``host.take`` (evicting the oldest evictable copies when the
+  free queue is short). Returns ``(pairs, mirrors)``: the host blocks that became mirrors."""
+  srcs: list[int] = []
+  dsts: list[int] = []
+  out = PairList.from_columns(srcs, dsts)
+  wb = queue.entries
+  limit = len(wb) if max_blocks is None else max_blocks
+  if not wb or limit <= 0:
+    return out, 0
+  bs = block_size
+  avail = host.num_free - min_free_host
+  lookup = host.index.get
+  mirrors = 0
+  done = []
+  for key in wb:
+    req_id, i = key
+    s = seqs[req_id]
+    h = s.host[i]
+    hashes = s.hashes
+    hkey = hashes[i] if hashes and i < len(hashes) else None
+    shared = lookup(hkey) if hkey is not None and h == NO_BLOCK else None
+    if shared is not None:
+      if host.is_evictable(shared):
+        if avail <= 0:
+          break
+        avail -= 1
+      host.share(shared)
+      s.host[i] = shared
+      s.nhost += 1
+      mirrors += 1
+    else:
+      if h == NO_BLOCK:
+        if avail <= 0:
+          break
+        avail -= 1
+        h = s.host[i] = host.take(1)[0]
+        s.nhost += 1
+        mirrors += 1
+      srcs.append(s.dev[i])
+      dsts.append(h)
+      if hkey is not None:
+        host_published.append((h, hkey, req_id, i))
+    done.append(key)
+    s.nwb -= 1
+    s.host_tokens[i] = bs
+    if len(srcs) >= limit:
+      break
+  for key in done:
+    del wb[key]
+  return out, mirrors

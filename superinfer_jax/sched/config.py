@@ -49,6 +49,22 @@ class SchedulerConfig:
              "running; the reactive path always falls back to recompute)")
   lvf_scan_limit: int = knob(1024, "candidates Algorithm 1 examines per step")
   lvf_max_skips: int = knob(64, "Algorithm 1 stops after this many consecutive candidates that do not fit")
+  enable_prefix_caching: bool = knob(
+      True, "prefix caching: full prompt blocks are published by content hash and shared by later requests "
+            "with the same prefix; rotated requests re-adopt their blocks still on device (docs/prefix_caching.md)")
+  host_prefix_cache: bool = knob(
+      True, "host prefix tier: clean host copies of prompt blocks stay findable after their request ends, "
+            "and a prompt loads the ones the device lacks when host_prefix_load says so")
+  host_prefix_load: str = knob(
+      "cost", "when a prefix found only on host is loaded instead of recomputed: cost (load iff "
+              "prefix_load_s_per_block < block_size x prefill_s_per_token; either unset: load), always, never",
+      choices=("cost", "always", "never"))
+  prefix_load_s_per_block: Optional[float] = knob(
+      None, "seconds to load one KV block host->device (the cost rule's load side; unset: loads count free)",
+      none_as=-1.0)
+  prefill_s_per_token: Optional[float] = knob(
+      None, "seconds of prefill per prompt token (the cost rule's recompute side; unset: loads count free)",
+      none_as=-1.0)
   code_swap_host_gate: float = knob(0.95, "rotasched_code: proactive swap-out only below this host usage")
   code_admit_host_gate: float = knob(0.9, "rotasched_code: WAITING requests admitted only below this host "
                                           "usage")
@@ -72,9 +88,26 @@ class SchedulerConfig:
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise ValueError(f"SchedulerConfig.{name} must be a finite number, got {v!r}")
+    for name in ("prefix_load_s_per_block", "prefill_s_per_token"):
+      v = getattr(self, name)
+      if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                            or v < 0):
+        raise ValueError(f"SchedulerConfig.{name} must be None or a finite number >= 0, got {v!r}")
     if self.ttft_slo <= 0 or self.tbt_slo <= 0:
       raise ValueError(f"SchedulerConfig SLOs must be > 0 s, got ttft_slo={self.ttft_slo}, "
                        f"tbt_slo={self.tbt_slo}")
+
+  def loads_host_prefix(self, block_size: int) -> bool:
+    """The load-or-recompute rule (``host_prefix_load``) for blocks of ``block_size`` tokens found only on
+    host: True to load them through the plan's swap-in list, False to recompute them. Per block, so the
+    answer does not depend on how many blocks: "cost" loads iff one block's load time is below its
+    recompute time (``prefix_load_s_per_block < block_size * prefill_s_per_token``; with either unset,
+    loads count as free)."""
+    rule = self.host_prefix_load
+    if rule != "cost":
+      return rule == "always"
+    load, per_token = self.prefix_load_s_per_block, self.prefill_s_per_token
+    return load is None or per_token is None or load < block_size * per_token
 
   def vlt_kwargs(self) -> dict:
     return dict(alpha=self.alpha, beta_b=self.beta_b, beta_f=self.beta_f, ttft_slo=self.ttft_slo,

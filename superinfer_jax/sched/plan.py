@@ -26,6 +26,10 @@
     ``blocks_in`` (= len(swap_in)), ``blocks_writeback`` (= len(writeback)), ``num_recompute_preemptions``
     (= len(preempted)), ``num_batched_tokens`` (sum of num_new_tokens), ``contention`` (True when the step
     ran under memory contention, i.e. rotation was considered).
+  * Prefix caching (docs/prefix_caching.md), blocks: ``prefix_queried`` (full prompt blocks of the requests
+    admitted for the first time), ``prefix_device_hits`` / ``prefix_host_hits`` (of those, found on device /
+    loaded from host: their H2D pairs are in ``swap_in``), ``prefix_rehits`` (blocks a request re-admitted
+    after a recompute preemption found cached: its own KV, counted apart from the hits across requests).
 """
 from __future__ import annotations
 
@@ -73,6 +77,10 @@ class StepPlan:
   residency_steps: int = 0   # sum over rotated_out of the steps each had been RUNNING (since it last entered)
   num_batched_tokens: int = 0
   contention: bool = False
+  prefix_queried: int = 0
+  prefix_device_hits: int = 0
+  prefix_host_hits: int = 0
+  prefix_rehits: int = 0
 
   @property
   def num_rotations(self) -> int:

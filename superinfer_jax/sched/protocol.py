@@ -21,7 +21,11 @@ class SchedulerStats:
   Request counts by state; ``demand_blocks``: device blocks the waiting + rotary requests would need to run
   (``blocks_for(planned_tokens)`` summed); pool sizes and free blocks per tier; ``pending_writebacks``: full
   dirty blocks queued for eager write-back; ``totals``: the cumulative counters (steps, rotations, blocks
-  moved, preemptions, admitted, finished, aborted, ...), a copy.
+  moved, preemptions, admitted, finished, aborted, ...), a copy; ``prefix_cache``: prefix caching's counters
+  in blocks (``queried``, ``device_hits``, ``host_hits``: full prompt blocks of first admissions and those
+  found per tier; ``rehits``: found again by requests re-admitted after a recompute preemption;
+  ``readopted_blocks``: re-adopted with no copy by swap-ins; cached / evictable blocks and evictions per
+  tier: ``BlockManager.prefix_cache_stats``).
   """
   num_waiting: int
   num_running: int
@@ -33,6 +37,7 @@ class SchedulerStats:
   free_host_blocks: int
   pending_writebacks: int
   totals: dict
+  prefix_cache: dict = dataclasses.field(default_factory=dict)
 
 
 @runtime_checkable

@@ -57,10 +57,10 @@ class Request:
                "state_time", "first_token_time", "last_token_time", "finish_time", "finish_reason",
                "num_generated", "num_computed_tokens", "inflight_samples", "num_preemptions", "num_rotations",
                "tbt_max", "_qentry", "queued_demand", "touched_step", "admit_step", "out_step",
-               "generated_at_admit")
+               "generated_at_admit", "block_hashes", "num_cached_tokens")
 
   def __init__(self, req_id: Hashable, prompt_len: int, max_tokens: int, arrival_time: float,
-               ttft_slo: float | None = None, tbt_slo: float | None = None):
+               ttft_slo: float | None = None, tbt_slo: float | None = None, block_hashes: tuple | None = None):
     if prompt_len < 1:
       raise ValueError(f"request {req_id!r}: prompt_len must be >= 1, got {prompt_len}")
     if max_tokens < 1:
@@ -91,6 +91,11 @@ class Request:
     self.admit_step = 0  # the step it last entered RUNNING (residency)
     self.out_step = -1  # the step it was last rotated out (-1: never; same-step round trips)
     self.generated_at_admit = 0  # num_generated + inflight_samples when it last entered RUNNING
+    # Content hashes of its full prompt blocks (kv/prefix_hash.py), read-only; None: no prefix caching for it.
+    if block_hashes is not None and len(block_hashes) > prompt_len:
+      raise ValueError(f"request {req_id!r}: {len(block_hashes)} block hashes for a {prompt_len}-token prompt")
+    self.block_hashes = block_hashes
+    self.num_cached_tokens: int | None = None  # prompt tokens its first admission found cached (None: not yet)
 
   # ---------------------------------------------------------------------------------------------- reads
   @property
@@ -132,10 +137,18 @@ class Request:
     return blocks_for(c + rem, block_size) - blocks_for(c, block_size), rem
 
   # ----------------------------------------------------------------------------------------- transitions
-  def admit(self, step: int, now: float) -> None:
-    """WAITING / PREEMPTED -> RUNNING at ``step`` (a prefill chunk follows: ``record_scheduled``)."""
+  def admit(self, step: int, now: float, cached_tokens: int = 0) -> None:
+    """WAITING / PREEMPTED -> RUNNING at ``step`` (a prefill chunk follows: ``record_scheduled``). Its first
+    ``cached_tokens`` tokens' KV came from the prefix cache (whole blocks): they count as computed, and on
+    the first admission they are its ``num_cached_tokens``."""
     if self.state is not RequestState.WAITING and self.state is not RequestState.PREEMPTED:
       raise _bad_transition(self, "admit")
+    if cached_tokens:
+      if self.num_computed_tokens or not 0 < cached_tokens < self.planned_tokens:
+        raise _bad_transition(self, f"admit with {cached_tokens} cached tokens")
+      self.num_computed_tokens = cached_tokens
+    if self.num_cached_tokens is None:
+      self.num_cached_tokens = cached_tokens
     self.state = RequestState.RUNNING
     self.state_time = now
     self.touched_step = self.admit_step = step

@@ -109,6 +109,9 @@ class Scheduler:
     self.totals = dict(steps=0, rotations_out=0, rotations_in=0, blocks_out=0, blocks_in=0,
                        blocks_writeback=0, recompute_preemptions=0, admitted=0, finished=0, aborted=0,
                        scheduled_tokens=0, round_trips=0, residency_steps=0)
+    # Prefix caching, blocks (StepPlan's prefix counters summed; kept apart from totals, which the replay
+    # fingerprints pin).
+    self.prefix_totals = dict(queried=0, device_hits=0, host_hits=0, rehits=0)
 
   # ------------------------------------------------------------------ queries
   @property
@@ -165,7 +168,8 @@ class Scheduler:
                           num_rotary=len(self.rotary), demand_blocks=self.pending.demand,
                           device_blocks=bm.num_device_blocks, free_device_blocks=bm.num_free_device_blocks,
                           host_blocks=bm.num_host_blocks, free_host_blocks=bm.num_free_host_blocks,
-                          pending_writebacks=bm.pending_writebacks(), totals=dict(self.totals))
+                          pending_writebacks=bm.pending_writebacks(), totals=dict(self.totals),
+                          prefix_cache={**self.prefix_totals, **bm.prefix_cache_stats()})
 
   def pop_finished(self) -> list[Request]:
     out, self._finished = self._finished, []
@@ -218,6 +222,7 @@ class Scheduler:
       raise RuntimeError(f"plan(s) {self._inflight} still in flight; call on_step_done first or use lookahead")
     if len(self._inflight) > 1:
       raise RuntimeError("lookahead depth is 1: two plans are already in flight")
+    self.bm.begin_step()
     policy = self.policy
     step = StepBuilder(self, StepPlan(step_id=self._step, time=self.clock.now(), lookahead=bool(self._inflight)),
                        policy.uses_running_needs)
@@ -232,10 +237,14 @@ class Scheduler:
 
   def _writeback_reserve(self) -> int | None:
     """Host blocks eager write-back leaves free (``writeback_min_free_host``; default min(B_xfer, a quarter of
-    the host pool)), or None when there is no write-back (off, or the policy never uses the host pool)."""
+    the host pool)), or None when there is no write-back: off, or the policy never uses the host pool and
+    the host prefix tier has no request to serve (it fills the tier under fcfs, as vLLM's CPU offloading
+    does)."""
     cfg = self.config
-    if not (cfg.writeback and self.policy.uses_host_pool):
+    if not cfg.writeback:
       return None
+    if not self.policy.uses_host_pool and not (self.bm.host_prefix_cache and self.bm.num_cached_requests):
+      return None  # nothing would read the copies: no rotation, and no host prefix tier in use
     reserve = cfg.writeback_min_free_host
     return min(cfg.proactive_swap_budget, self.bm.num_host_blocks // 4) if reserve is None else reserve
 
@@ -253,6 +262,12 @@ class Scheduler:
     t["recompute_preemptions"] += len(plan.preempted)
     t["admitted"] += len(plan.admitted)
     t["scheduled_tokens"] += plan.num_batched_tokens
+    if plan.prefix_queried or plan.prefix_rehits:
+      p = self.prefix_totals
+      p["queried"] += plan.prefix_queried
+      p["device_hits"] += plan.prefix_device_hits
+      p["host_hits"] += plan.prefix_host_hits
+      p["rehits"] += plan.prefix_rehits
 
   # ------------------------------------------------------------------ step done
   def on_step_done(self, plan: StepPlan, new_tokens: dict | None = None, finished: dict | None = None,

@@ -274,6 +274,8 @@ class StepBuilder:
     """WAITING/PREEMPTED -> RUNNING with a prefill chunk. False (no change) if it does not fit now."""
     if r.touched_step == self.step_id or r.inflight_samples:
       return False
+    if r.block_hashes is not None and self.config.enable_prefix_caching:
+      return self._admit_cached(r)
     rem = r.planned_tokens - r.num_computed_tokens
     budget = self._budget
     n = rem if rem < budget else budget
@@ -282,14 +284,53 @@ class StepBuilder:
     rid = r.req_id
     if not self.bm.append_slots(rid, n):
       return False
+    self._admitted(r, n, rem, 0)
+    return True
+
+  def _admit_cached(self, r: Request) -> bool:
+    """``admit_waiting`` for a request taking part in prefix caching: its longest cached prefix in whole
+    blocks, at most up to its last known token (that one is always computed), comes from the device (shared,
+    no copy) and then from host (loaded by H2D pairs in the plan's ``swap_in`` when ``loads_host_prefix``
+    says so); the prefill chunk starts after it, and the device blocks checked are only those it really
+    takes (``BlockManager.allocate_prefix``)."""
+    budget = self._budget
+    if budget <= 0 or len(self._running) >= self.config.max_num_seqs:
+      return False
+    bm = self.bm
+    bs = bm.block_size
+    planned = r.planned_tokens
+    hashes = r.block_hashes
+    dev, host = bm.lookup_prefix(hashes, (planned - 1) // bs)
+    if host and not self.config.loads_host_prefix(bs):
+      host = 0
+    c = (dev + host) * bs
+    rem = planned - c
+    n = rem if rem < budget else budget
+    plan = self._plan
+    if not bm.allocate_prefix(r.req_id, hashes, dev, host, c + n, plan.swap_in):
+      return False
+    if r.num_cached_tokens is None:  # its first admission: hits across requests
+      plan.prefix_queried += len(hashes)
+      plan.prefix_device_hits += dev
+      plan.prefix_host_hits += host
+    else:
+      plan.prefix_rehits += dev + host
+    self._in_moved += host
+    self._admitted(r, n, rem, c)
+    return True
+
+  def _admitted(self, r: Request, n: int, rem: int, cached: int) -> None:
+    """Bookkeeping of a waiting request the block manager just took: out of its queue, RUNNING, its prefill
+    chunk of ``n`` of its ``rem`` remaining tokens scheduled after ``cached`` cached tokens."""
+    rid = r.req_id
+    budget = self._budget
     self._pending.dequeue(r)
     self._plan.admitted.append(rid)
-    r.admit(self.step_id, self.now)
+    r.admit(self.step_id, self.now, cached)
     self._running[rid] = r
     self._plan.scheduled.append(ScheduledSeq(rid, n, r.num_computed_tokens, self.bm.block_table(rid),
                                              n == rem))
     self._budget = budget - n
-    return True
 
   def admit_in_order(self, rs, cap: int | None = None, round_trip: bool = False, prechecked: bool = False) -> int:
     """Admits ``rs`` in order, skipping those that do not fit now, until the token budget or the seats run
