@@ -58,7 +58,8 @@ def submit_choices(worker: EngineWorker, req, prompt_ids, params) -> Choices:
     for i in range(req.n):
       rid = req.request_id if req.n == 1 else f"{req.request_id}-{i}"
       p = params if i == 0 or params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % 2**32)
-      choices.add(rid, worker.submit(rid, prompt_ids, p, ttft_slo=req.ttft_slo, tbt_slo=req.tbt_slo))
+      choices.add(rid, worker.submit(rid, prompt_ids, p, ttft_slo=req.ttft_slo, tbt_slo=req.tbt_slo,
+                                     cache_salt=req.cache_salt))
   except P.APIError:
     choices.close()
     raise

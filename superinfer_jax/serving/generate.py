@@ -4,8 +4,10 @@ A request is refused while the server starts or drains (503), its body read (bou
 validated and tokenized in the preparation threads, and its ``n`` choices queued on the ``EngineWorker``.
 Streamed, the events become server-sent chunks ending in ``data: [DONE]``; otherwise they are collected
 into one body. ``logprobs`` come with the engine's outputs (computed in its step), token by token, streamed
-or not. A client that goes away has its choices aborted, which frees their KV blocks at once. Never touches
-the engine.
+or not. ``usage`` (every body, and the last chunk of a stream asking ``include_usage``) counts the prompt once,
+and its ``prompt_tokens_details.cached_tokens`` is the first choice's ``num_cached_tokens`` (prompt tokens
+whose KV came from the prefix cache; the other choices of ``n`` > 1 may find more). A client that goes away
+has its choices aborted, which frees their KV blocks at once. Never touches the engine.
 """
 from __future__ import annotations
 
@@ -91,6 +93,7 @@ class Completions:
     asked = req.logprobs is not None
     out = [R.Choice("", [], None, [] if asked else None, [] if asked else None) for _ in range(req.n)]
     texts: list[list[str]] = [[] for _ in range(req.n)]
+    cached = 0
     loop = asyncio.get_running_loop()
     next_check = [loop.time() + self.disconnect_poll_s]
     while not choices.all_final:
@@ -105,6 +108,8 @@ class Completions:
         return error_response(ev)
       texts[i].append(ev.text)
       out[i].token_ids.extend(ev.token_ids)
+      if i == 0 and ev.num_cached_tokens is not None:
+        cached = ev.num_cached_tokens
       if asked:
         tokens, lps = self._logprobs(ev)
         out[i].tokens.extend(tokens)
@@ -112,14 +117,14 @@ class Completions:
       if ev.finished:
         choices.final[i] = True
         out[i].text, out[i].finish_reason = "".join(texts[i]), ev.finish_reason
-    return R.full_response(req, created, out, len(prompt_ids))
+    return R.full_response(req, created, out, len(prompt_ids), cached)
 
   async def _stream(self, req, choices: Choices, created: int, n_prompt: int):
     """Server-sent chunks: the role first (chat), a chunk per output, a final chunk per choice, usage when
     asked, ``[DONE]``; an error ends every unfinished choice with finish_reason abort, then the error event."""
     try:
       first = [True] * req.n
-      n_out = 0
+      n_out = cached = 0
       if req.kind == "chat":   # the role comes first, as OpenAI sends it
         for i in range(req.n):
           yield R.sse(R.chunk(req, created, "", [], None, first=True, index=i))
@@ -135,6 +140,8 @@ class Completions:
           yield R.sse(ev.body())
           break
         n_out += len(ev.token_ids)
+        if i == 0 and ev.num_cached_tokens is not None:
+          cached = ev.num_cached_tokens
         if ev.token_ids or ev.text:
           lp = R.logprobs_body(req, *self._logprobs(ev)) if req.logprobs is not None else None
           yield R.sse(R.chunk(req, created, ev.text, ev.token_ids, None, first=first[i], index=i, logprobs=lp))
@@ -144,7 +151,7 @@ class Completions:
           yield R.sse(R.chunk(req, created, empty, [], ev.finish_reason, index=i))
       else:
         if req.include_usage:
-          yield R.sse(R.usage_chunk(req, created, n_prompt, n_out))
+          yield R.sse(R.usage_chunk(req, created, n_prompt, n_out, cached))
       yield "data: [DONE]\n\n"
     finally:
       if not choices.all_final:

@@ -18,6 +18,13 @@ superinfer_host_blocks{kind=used|total}                     host KV pool blocks
 superinfer_prompt_tokens_total                              prompt tokens prefilled (vLLM's)
 superinfer_generation_tokens_total                          output tokens (vLLM's)
 superinfer_num_preemptions_total                            recompute preemptions (vLLM's)
+superinfer_prefix_cache_queries_total                       prefix cache queries in tokens: full prompt blocks
+                                                            of first admissions x block size (vLLM's)
+superinfer_prefix_cache_hits_total{tier=device|host}        prefix cache hits in tokens per tier: the prompt
+                                                            tokens of first admissions found cached on device
+                                                            (shared) or on host (loaded); summed over the
+                                                            tiers, vLLM's (and the engine requests'
+                                                            num_cached_tokens summed)
 superinfer_engine_steps_total                               engine steps
 superinfer_rotations_total{direction=out|in}                rotations of a request's KV to / from host
 superinfer_kv_bytes_moved_total{direction=d2h|h2d}          bytes moved by rotations and eager write-back
@@ -102,11 +109,15 @@ class ServerMetrics:
 
   def after_step(self, engine) -> None:
     sch, st = engine.scheduler_stats(), engine.stats
+    pc = sch.prefix_cache
+    bs = engine.config.block_size if pc else 0   # caching counters in blocks; the metrics count tokens
     snap = dict(waiting=sch.num_waiting, running=sch.num_running, rotary=sch.num_rotary,
                 dev_total=sch.device_blocks, dev_free=sch.free_device_blocks,
                 host_total=sch.host_blocks, host_free=sch.free_host_blocks,
                 steps=st.steps, rot_out=st.rotations_out, rot_in=st.rotations_in, bytes_out=st.bytes_out,
-                bytes_in=st.bytes_in, recompute=st.recompute_preemptions, tokens=st.tokens_generated)
+                bytes_in=st.bytes_in, recompute=st.recompute_preemptions, tokens=st.tokens_generated,
+                prefix_queries=pc.get("queried", 0) * bs, prefix_device_hits=pc.get("device_hits", 0) * bs,
+                prefix_host_hits=pc.get("host_hits", 0) * bs)
     with self._lock:
       self._snap = snap
 
@@ -148,6 +159,15 @@ class _SnapshotCollector:
     yield c
     yield CounterMetricFamily("superinfer_num_preemptions", "recompute preemptions", value=s.get("recompute", 0))
     yield CounterMetricFamily("superinfer_generation_tokens", "output tokens", value=s.get("tokens", 0))
+    yield CounterMetricFamily("superinfer_prefix_cache_queries",
+                              "prefix cache queries, in tokens: full prompt blocks of first admissions x block "
+                              "size", value=s.get("prefix_queries", 0))
+    c = CounterMetricFamily("superinfer_prefix_cache_hits",
+                            "prefix cache hits, in tokens: prompt tokens of first admissions whose KV came from "
+                            "the device cache (shared) or the host cache (loaded)", labels=["tier"])
+    c.add_metric(["device"], s.get("prefix_device_hits", 0))
+    c.add_metric(["host"], s.get("prefix_host_hits", 0))
+    yield c
 
 
 def parse_metrics(text: str) -> dict[str, float]:

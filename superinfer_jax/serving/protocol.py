@@ -30,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from superinfer_jax.engine.request_book import MAX_CACHE_SALT_CHARS
+
 INVALID = "invalid_request_error"
 
 
@@ -80,6 +82,7 @@ class ParsedRequest:
   frequency_penalty: float = 0.0
   repetition_penalty: float = 1.0
   logit_bias: tuple[tuple[int, float], ...] = ()
+  cache_salt: Optional[str] = None        # prefix caching isolation: only requests of equal salt share blocks
 
 
 # Every field of the two endpoints: (endpoints, what the server does). "both", "completion" or "chat".
@@ -109,6 +112,9 @@ FIELDS: dict[str, tuple[str, str]] = {
     "ttft_slo": ("both", "TTFT SLO in seconds, handed to the scheduler"),
     "tbt_slo": ("both", "TBT SLO in seconds, handed to the scheduler"),
     "user": ("both", "accepted, not used (an end-user id for abuse monitoring at OpenAI)"),
+    "cache_salt": ("both", f"a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters (vLLM's): only "
+                           "requests with the same salt share prefix-cached KV blocks (docs/prefix_caching.md); "
+                           "refused by a multi-process server"),
     "echo": ("completion", "refused unless false"),
     "suffix": ("completion", "refused unless null or \"\""),
     "best_of": ("completion", "refused unless null or equal to n"),

@@ -10,6 +10,7 @@ import math
 import uuid
 from typing import Any, Optional, Sequence
 
+from superinfer_jax.engine.request_book import MAX_CACHE_SALT_CHARS
 from superinfer_jax.model.sampling_params import MAX_LOGPROBS
 from superinfer_jax.serving.protocol import FIELDS, REFUSED, APIError, ParsedRequest
 
@@ -292,6 +293,16 @@ def _parse_slos(body: dict) -> dict[str, Optional[float]]:
   return slos
 
 
+def _parse_cache_salt(body: dict) -> Optional[str]:
+  """``cache_salt`` (vLLM's): None, or a non-empty string of at most ``MAX_CACHE_SALT_CHARS`` characters (the
+  engine's ``check_cache_salt``, checked here so the 400 names the field)."""
+  salt = _get_str(body, "cache_salt")
+  if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+    raise APIError(400, f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
+                        f"got {len(salt)}", param="cache_salt")
+  return salt
+
+
 def parse_request(body: dict, kind: str, served_model_names: Sequence[str]) -> tuple[ParsedRequest, Any]:
   """Validates ``body`` of a /v1/completions (``kind="completion"``) or /v1/chat/completions
   (``kind="chat"``) request. Returns (ParsedRequest with prompt None for chat, messages or None)."""
@@ -309,9 +320,10 @@ def parse_request(body: dict, kind: str, served_model_names: Sequence[str]) -> t
   _get_str(body, "user")
   return_token_ids = _get_bool(body, "return_token_ids", False)
   slos = _parse_slos(body)
+  cache_salt = _parse_cache_salt(body)
   prefix = "chatcmpl" if kind == "chat" else "cmpl"
   req = ParsedRequest(kind=kind, model=model, prompt=prompt, stream=stream, include_usage=include_usage,
                       max_tokens=max_tokens, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                       return_token_ids=return_token_ids, request_id=f"{prefix}-{uuid.uuid4().hex[:24]}",
-                      logprobs=logprobs, **sampling, **processing, **slos)
+                      logprobs=logprobs, cache_salt=cache_salt, **sampling, **processing, **slos)
   return req, messages

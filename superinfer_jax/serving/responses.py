@@ -9,9 +9,12 @@ from typing import Any, Optional, Sequence
 from superinfer_jax.serving.protocol import ParsedRequest
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = 0) -> dict:
+  """OpenAI's ``usage`` (vLLM's shape): ``prompt_tokens_details.cached_tokens`` is the prompt tokens whose KV
+  came from the prefix cache (the engine's ``num_cached_tokens``; None, not admitted yet: 0)."""
   return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-          "total_tokens": prompt_tokens + completion_tokens}
+          "total_tokens": prompt_tokens + completion_tokens,
+          "prompt_tokens_details": {"cached_tokens": cached_tokens or 0}}
 
 
 def finish_reason_out(reason: Optional[str]) -> Optional[str]:
@@ -46,7 +49,8 @@ def logprobs_body(req: ParsedRequest, tokens: list[str], lps: list[tuple[float, 
           "top_logprobs": [dict(top) for _, top in lps], "text_offset": offsets}
 
 
-def full_response(req: ParsedRequest, created: int, choices: Sequence[Choice], prompt_tokens: int) -> dict:
+def full_response(req: ParsedRequest, created: int, choices: Sequence[Choice], prompt_tokens: int,
+                  cached_tokens: Optional[int] = 0) -> dict:
   out = []
   for i, c in enumerate(choices):
     lp = logprobs_body(req, c.tokens, c.logprobs) if c.logprobs is not None else None
@@ -60,7 +64,7 @@ def full_response(req: ParsedRequest, created: int, choices: Sequence[Choice], p
     out.append(choice)
   return {"id": req.request_id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
           "created": created, "model": req.model, "choices": out,
-          "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices))}
+          "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices), cached_tokens)}
 
 
 def chunk(req: ParsedRequest, created: int, text: Optional[str], token_ids: Sequence[int],
@@ -86,10 +90,11 @@ def chunk(req: ParsedRequest, created: int, text: Optional[str], token_ids: Sequ
   return {"id": req.request_id, "object": obj, "created": created, "model": req.model, "choices": [choice]}
 
 
-def usage_chunk(req: ParsedRequest, created: int, prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_chunk(req: ParsedRequest, created: int, prompt_tokens: int, completion_tokens: int,
+                cached_tokens: Optional[int] = 0) -> dict:
   obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
   return {"id": req.request_id, "object": obj, "created": created, "model": req.model, "choices": [],
-          "usage": usage(prompt_tokens, completion_tokens)}
+          "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def sse(data: Any) -> str:

@@ -24,7 +24,10 @@ before applying it, and every other process runs ``follow()``, the same loop fed
 of the command queue, so all engines get the same events before the same step (docs/parallel.md). The
 adds carry process 0's clock reading as their arrival time; a shutdown is a batch that aborts every live
 request and stops every loop. A failed step is fatal there (the engines cannot be drained or rebuilt in
-lockstep): the engine thread ends and ``/health`` answers 503.
+lockstep): the engine thread ends and ``/health`` answers 503. A request's ``cache_salt`` rides on its add
+(``SaltedAddEvent``) in a single process only: the broadcast does not carry it, so a multi-process worker
+refuses a salted request with a 400 naming the field rather than let process 0's prefix-cache hits (and
+plans) differ from the others'.
 
 ``warmup(engine)`` (e.g. precompiling every step shape) runs in the engine thread before the loop; ``ready``
 says it is done (the app answers 503 until then). A step that compiles a new shape is logged as such.
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import gc
 import logging
 import queue
@@ -92,9 +96,14 @@ class EngineWorker:
   def num_admitted(self) -> int:
     return self._admitted
 
-  def submit(self, request_id: str, prompt: Any, params: Any, *, ttft_slo=None, tbt_slo=None) -> asyncio.Queue:
+  def submit(self, request_id: str, prompt: Any, params: Any, *, ttft_slo=None, tbt_slo=None,
+             cache_salt: Optional[str] = None) -> asyncio.Queue:
     """Queues a request for the engine; returns its event queue. 429 when the admission queue is full,
-    503 when the engine is stopping."""
+    503 when the engine is stopping; 400 for a ``cache_salt`` in a multi-process run (module docstring)."""
+    if cache_salt is not None and self.channel is not None:
+      raise APIError(400, "'cache_salt' is not supported by a multi-process server (the engine events broadcast "
+                          "to the other processes do not carry it)", code="unsupported_parameter",
+                     param="cache_salt")
     if not self.alive:
       raise APIError(503, "the server is shutting down" if self._stop.is_set() else
                      f"the engine thread is not running ({self.fatal or 'stopped'})",
@@ -108,7 +117,7 @@ class EngineWorker:
                        code="queue_full")
       self._admitted += 1
     q: asyncio.Queue = asyncio.Queue()
-    self._cmds.put(("add", request_id, prompt, params, ttft_slo, tbt_slo, q))
+    self._cmds.put(("add", request_id, prompt, params, ttft_slo, tbt_slo, cache_salt, q))
     return q
 
   def done(self, request_id: str) -> None:
@@ -185,12 +194,13 @@ class EngineWorker:
     for cmd in cmds:
       kind = cmd[0]
       if kind == "add":
-        _, rid, prompt, params, ttft_slo, tbt_slo, q = cmd
+        _, rid, prompt, params, ttft_slo, tbt_slo, cache_salt, q = cmd
         if stopping:
           self._deliver(q, ("error", APIError(503, "the server is shutting down", type="server_error",
                                               code="unavailable")))
           continue
-        events.append(AddEvent(rid, prompt, params, ttft_slo, tbt_slo))
+        events.append(AddEvent(rid, prompt, params, ttft_slo, tbt_slo) if cache_salt is None else
+                      SaltedAddEvent(rid, prompt, params, ttft_slo, tbt_slo, cache_salt))
         queues.append(q)
         live[rid] = None
       elif kind == "abort":
@@ -231,9 +241,10 @@ class EngineWorker:
     for ev, q in zip(batch.events, queues):
       if isinstance(ev, AddEvent):
         rid = ev.request_id
+        salt = getattr(ev, "cache_salt", None)
         try:
           self.engine.add_request(ev.prompt, ev.params, request_id=rid, ttft_slo=ev.ttft_slo,
-                                  tbt_slo=ev.tbt_slo, **at)
+                                  tbt_slo=ev.tbt_slo, **at, **({} if salt is None else {"cache_salt": salt}))
         except ValueError as e:   # RequestError
           if q is not None:
             self._deliver(q, ("error", APIError(400, str(e), code="invalid_value")))
@@ -390,6 +401,14 @@ class EngineWorker:
       except Exception:  # pylint: disable=broad-except
         pass
       self._flush()
+
+
+@dataclasses.dataclass(frozen=True)
+class SaltedAddEvent(AddEvent):
+  """An ``AddEvent`` with the request's ``cache_salt``, for a single-process worker only: the wire format
+  (``parallel/events.py``) does not carry the salt, so a multi-process worker refuses salted requests at
+  ``submit`` (a salt applied on process 0 alone would change its prefix-cache hits, and so its plans)."""
+  cache_salt: Optional[str] = None
 
 
 def _put_all(batch) -> None:

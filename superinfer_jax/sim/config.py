@@ -26,6 +26,9 @@ def profile_name(hardware: Optional[str]) -> str:
   return hardware or DEFAULT_HARDWARE
 
 
+PREFIX_CONTENT = ("recorded", "tokens", "none")
+
+
 @dataclasses.dataclass(frozen=True)
 class SimConfig:
   """What the simulator needs beyond the engine config and the workload."""
@@ -56,6 +59,11 @@ class SimConfig:
            "length-scaled variant of --dataset or --trace (1: as loaded); the rows' length_scale")
   fixed_step_s: float = knob(0.0, "every model step takes this many seconds instead of the roofline's time "
                                   "(0: the roofline; transfers are still modelled)")
+  prefix_content: str = knob(
+      "recorded", "what prefix caching (--enable_prefix_caching) hashes in the simulator: 'recorded' only "
+                  "workloads that record reuse (a trace's block ids; multi-turn conversations' token ids), "
+                  "'tokens' every request with token ids, 'none' nothing (docs/prefix_caching.md)",
+      choices=PREFIX_CONTENT)
 
   def __post_init__(self):
     if self.model_profile is not None and (not isinstance(self.model_profile, str) or not self.model_profile):
@@ -67,6 +75,8 @@ class SimConfig:
       raise ValueError(f"SimConfig.length_scale must be a finite number > 0, got {v!r}")
     if self.trace_arrivals not in ("recorded", "rescale"):
       raise ValueError(f"SimConfig.trace_arrivals must be 'recorded' or 'rescale', got {self.trace_arrivals!r}")
+    if self.prefix_content not in PREFIX_CONTENT:
+      raise ValueError(f"SimConfig.prefix_content must be one of {PREFIX_CONTENT}, got {self.prefix_content!r}")
     if self.trace_context_rule not in ("drop", "clip"):
       raise ValueError(f"SimConfig.trace_context_rule must be 'drop' or 'clip', got {self.trace_context_rule!r}")
     for name in ("swap_bandwidth_gbps", "fixed_step_s"):

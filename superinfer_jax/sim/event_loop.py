@@ -32,6 +32,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from superinfer_jax.kv.block_manager import BlockManager
+from superinfer_jax.kv.prefix_hash import block_hashes
 from superinfer_jax.kv.layout import KVCacheSpec
 from superinfer_jax.metrics.timeline import PREEMPTED, ROTARY, RUNNING, RequestTimeline, TimelineRecorder
 from superinfer_jax.sched import Request, Scheduler, VirtualClock
@@ -86,6 +87,14 @@ class RooflineCost:
   def transfer_time(self, blocks_out: int, blocks_in: int) -> float:
     return transfer_lib.transfer_time(blocks_out, blocks_in, self.kv_spec, self.hw.link, self.transfer_mode)
 
+  def prefix_rule_costs(self, batch_blocks: int = 256, chunk_tokens: int = 2048) -> tuple[float, float]:
+    """The load-or-recompute rule's two sides on this hardware (``SchedulerConfig.loads_host_prefix``):
+    seconds per block of an H2D load of ``batch_blocks`` blocks, and seconds per token of a prefill chunk of
+    ``chunk_tokens`` tokens from an empty context (the roofline, compute-bound at that size)."""
+    load = self.transfer_time(0, batch_blocks) / batch_blocks
+    shape = cost_lib.pairs_shape([(chunk_tokens, 0)])
+    return load, cost_lib.step_time(shape, self.model, self.hw, self.tensor_parallel_size) / chunk_tokens
+
 
 @dataclasses.dataclass
 class SimResult:
@@ -135,8 +144,9 @@ class _SimRun:
       arrival = self.t0 + due_s
       self.rec.add_request(rid, arrival, spec.prompt_len, target_output_len=spec.output_len,
                            source=getattr(spec, "source", "") or "")
+      hashes = self.sim.hashes_of(spec) if self.sim.hashes_of is not None else None
       try:
-        self.sched.add_request(Request(rid, spec.prompt_len, spec.output_len, arrival))
+        self.sched.add_request(Request(rid, spec.prompt_len, spec.output_len, arrival, block_hashes=hashes))
       except ValueError as e:
         self.rejected.append((rid, str(e)))
         dropped = self.queue.dropped(rid)
@@ -295,6 +305,7 @@ class _SimRun:
     c, bb = self.c, self.sim.block_bytes
     c["swap_out_bytes"] = (c["blocks_out"] + c["blocks_writeback"]) * bb
     c["swap_in_bytes"] = c["blocks_in"] * bb
+    c["prefix_cache"] = dict(self.sched.stats().prefix_cache)
     duration = (self.clock.now() - self.t0) if timed_out else (self.last_token - self.t0)
     return SimResult(timelines=self.rec.timelines(), duration_s=max(duration, 1e-9), counters=c,
                      step_times_s=self.step_times, rejected=self.rejected, wall_s=time.perf_counter() - self.wall0,
@@ -309,7 +320,11 @@ class Simulator:
   """
 
   def __init__(self, scheduler, clock: VirtualClock, cost, *, pipeline: bool = True, block_bytes: int = 0,
-               plan_hook: Optional[Callable[[Any], None]] = None):
+               plan_hook: Optional[Callable[[Any], None]] = None,
+               hashes_of: Optional[Callable[[Any], Optional[tuple]]] = None):
+    """``hashes_of(spec)``: the prefix-cache block hashes a request gets (``Request.block_hashes``), or None
+    (the default for every request): no prefix caching for it."""
+    self.hashes_of = hashes_of
     self.sched = scheduler
     self.clock = clock
     self.cost = cost
@@ -366,17 +381,57 @@ def derived_counters(counters: dict[str, Any]) -> dict[str, Any]:
   )
 
 
+def prefix_hashes_of(requests: Sequence[Any], block_size: int, content: str) -> Callable[[Any], Optional[tuple]]:
+  """What prefix caching hashes in a simulated run (``SimConfig.prefix_content``), as ``spec -> hashes``:
+
+  * a request with recorded block ids (a trace, ``RequestSpec.block_ids``): its full blocks' ids at
+    ``block_size`` (``derived_block_ids``; the trace's ids are chained hashes already, so they are used as
+    they are);
+  * else, with token ids: their chained content hashes (``kv/prefix_hash.block_hashes``), under "tokens"
+    always, under "recorded" only when the workload is multi-turn (some request follows another,
+    ``after_request_id``): single-turn datasets' token ids are synthetic or unrelated prompts;
+  * else None.
+  """
+  multiturn = any(getattr(r, "after_request_id", None) is not None for r in requests)
+  use_tokens = content == "tokens" or (content == "recorded" and multiturn)
+
+  def hashes_of(spec) -> Optional[tuple]:
+    ids = spec.derived_block_ids(block_size) if getattr(spec, "block_ids", None) is not None else None
+    if ids is not None:
+      return tuple(ids[:spec.prompt_len // block_size])
+    toks = getattr(spec, "prompt_token_ids", None)
+    if use_tokens and toks is not None:
+      return block_hashes(toks, block_size)
+    return None
+  return hashes_of
+
+
 def simulate(requests: Sequence[Any], engine_config, cost, *, progress: bool = False, desc: str = "sim",
-             time_limit_s: Optional[float] = None, plan_hook=None) -> SimResult:
+             time_limit_s: Optional[float] = None, plan_hook=None, prefix_content: str = "recorded") -> SimResult:
   """One run: a fresh ``BlockManager`` + ``Scheduler`` from ``engine_config`` (pools must be set:
   ``num_device_blocks`` and ``num_host_blocks`` not None) on a fresh ``VirtualClock``, ``engine_config.
-  pipeline`` as the engine's, driven by ``Simulator``. ``cost`` as in the module docstring."""
+  pipeline`` as the engine's, driven by ``Simulator``. ``cost`` as in the module docstring. With prefix
+  caching on, requests get the hashes ``prefix_hashes_of(requests, block_size, prefix_content)`` gives, and
+  the cost rule's unset sides come from ``cost.prefix_rule_costs()`` when the cost model has it."""
   if engine_config.num_device_blocks is None or engine_config.num_host_blocks is None:
     raise ValueError("simulate: num_device_blocks and num_host_blocks must be resolved (sim.sim_sweep sizes them "
                      "from the hardware profile)")
   clock = VirtualClock()
-  bm = BlockManager(engine_config.num_device_blocks, engine_config.num_host_blocks, engine_config.block_size)
-  sched = Scheduler(engine_config.scheduler, bm, clock)
+  sc = engine_config.scheduler
+  bm = BlockManager(engine_config.num_device_blocks, engine_config.num_host_blocks, engine_config.block_size,
+                    host_prefix_cache=sc.host_prefix_cache)
+  hashes_of = None
+  if sc.enable_prefix_caching and prefix_content != "none":
+    hashes_of = prefix_hashes_of(requests, engine_config.block_size, prefix_content)
+    rule = getattr(cost, "prefix_rule_costs", None)
+    if sc.host_prefix_load == "cost" and rule is not None and (
+        sc.prefix_load_s_per_block is None or sc.prefill_s_per_token is None):
+      load_s, prefill_s = rule()
+      sc = dataclasses.replace(sc, prefix_load_s_per_block=(sc.prefix_load_s_per_block
+                                                            if sc.prefix_load_s_per_block is not None else load_s),
+                               prefill_s_per_token=(sc.prefill_s_per_token if sc.prefill_s_per_token is not None
+                                                    else prefill_s))
+  sched = Scheduler(sc, bm, clock)
   sim = Simulator(sched, clock, cost, pipeline=engine_config.pipeline,
-                  block_bytes=getattr(cost, "block_bytes", 0), plan_hook=plan_hook)
+                  block_bytes=getattr(cost, "block_bytes", 0), plan_hook=plan_hook, hashes_of=hashes_of)
   return sim.run(requests, progress=progress, desc=desc, time_limit_s=time_limit_s)

@@ -32,6 +32,7 @@ from superinfer_jax.sweep import (SweepSpec, fresh_output_dir, apply_variant,  #
 from superinfer_jax.metrics.results import RESULTS_SCHEMA, append_results_row, results_row
 from superinfer_jax.metrics.timeline import requests_filename, write_timelines
 from superinfer_jax.model.config import load_config
+from superinfer_jax.metrics.prefix_cache import prefix_cache_columns
 from superinfer_jax.sim.config import SimConfig, profile_name
 from superinfer_jax.sim.cost import Buckets, ModelProfile, device_pool_blocks
 from superinfer_jax.sim.event_loop import RooflineCost, derived_counters, simulate
@@ -239,7 +240,8 @@ def run_sim_sweep(spec: SweepSpec, engine_config, sim_config: SimConfig, *, log=
       setup = resolve_run(apply_variant(engine_config.replace(policy=policy), eng_v),
                           apply_variant(sim_config, sim_v), spec.model, spec.hardware)
       res = simulate(requests, setup.engine_config, setup.cost, progress=spec.progress,
-                     desc=f"{label} @ {rps:.3g} rps", time_limit_s=spec.time_limit_s)
+                     desc=f"{label} @ {rps:.3g} rps", time_limit_s=spec.time_limit_s,
+                     prefix_content=setup.sim_config.prefix_content)
       row = _row(spec, setup, res, label, policy, variant, rps, run_index)
       if rps in time_scale:
         row["trace_time_scale"] = time_scale[rps]
@@ -292,6 +294,7 @@ def _row(spec: SweepSpec, setup: RunSetup, res, label: str, policy: str, variant
       "length_scale": setup.sim_config.length_scale, "seed": spec.seed,
   }
   extra.update(derived_counters(c))
+  extra.update(prefix_cache_columns(c.get("prefix_cache", {}), cfg.block_size))
   flat = {**cfg.as_flat_dict(), **setup.sim_config.as_flat_dict()}
   extra.update({name: flat[name] for name in variant if name not in RESULTS_SCHEMA})   # as applied
   return results_row(

@@ -24,8 +24,9 @@ the same prompt hits** (a prefix cache reuses whole prefixes); after a request i
 are stored (unlimited cache, nothing evicted). Two readings:
 
 * ``hit_rate`` (the engine's): **full** blocks only (``block_size`` tokens; a prefix cache keeps full blocks),
-  both looked up and stored. ``hit_tokens = hit_blocks x block_size``; ``token_hit_rate`` is that over all
-  prompt tokens.
+  both looked up and stored, and a block hits only if it ends before the prompt's last token (that token is
+  always computed: a prompt ending on a block boundary cannot hit its last full block, which is still stored).
+  ``hit_tokens = hit_blocks x block_size``; ``token_hit_rate`` is that over all prompt tokens.
 * ``hit_rate_with_partial`` (the trace README's "36.6% of prompt blocks already seen", at 512): every block,
   the partial last one too, is looked up and stored; the denominator is all blocks (``sum ceil(prompt_len /
   block_size)``).
@@ -147,6 +148,11 @@ def reuse_bound(specs: Iterable, block_size: int) -> dict:
   full_lens = np.array([int(m.sum()) for m in full_mask], dtype=np.int64)
   full_starts = np.concatenate(([0], np.cumsum(full_lens)[:-1]))
   hit_full = _hits(values[full], req[full], full_starts)
+  # The last prompt token is always computed (its logits give the first output token): a prompt that ends
+  # on a block boundary cannot hit its last full block, though that block is stored for later prompts.
+  p_len = np.array([r.prompt_len for r in specs], dtype=np.int64)
+  capped = (p_len % block_size == 0) & (full_lens > 0)
+  hit_full[(full_starts + full_lens - 1)[capped]] = False
   blocks, hit_blocks = int(full.sum()), int(hit_full.sum())
   out = dict(block_size=block_size, requests=n, prompt_tokens=prompt_tokens, blocks=blocks, hit_blocks=hit_blocks,
              hit_tokens=hit_blocks * block_size,

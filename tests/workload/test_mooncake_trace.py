@@ -236,8 +236,12 @@ def test_reuse_bound_matches_the_trace(mooncake):
                              arrival_s=r.arrival_s, block_ids=r.block_ids[:r.prompt_len // 512],
                              block_ids_tokens=512) for r in w)
   b16 = reuse_bound(cut, 16)
-  assert (b16["blocks"], b16["hit_blocks"]) == (32 * n_full, 32 * h_full)
-  assert b16["hit_tokens"] == h_full * 512 and b16["hit_rate"] == h_full / n_full
+  # Every cut prompt ends on a block boundary, so its last token's block never hits (always computed): the m
+  # prompts whose last 512-token block would hit lose it at 512 and only its last 16-token sub-block at 16.
+  m = h_full - reuse_bound(cut, 512)["hit_blocks"]
+  assert m > 0
+  assert (b16["blocks"], b16["hit_blocks"]) == (32 * n_full, 32 * h_full - m)
+  assert b16["hit_tokens"] == (32 * h_full - m) * 16
 
 
 def test_sim_requests_carry_block_ids(tmp_path):
