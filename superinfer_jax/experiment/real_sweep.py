@@ -21,6 +21,7 @@ import os
 import time
 from typing import Any, Callable, Optional
 
+from superinfer_jax.metrics.prefix_cache import prefix_cache_columns
 from superinfer_jax import util
 from superinfer_jax.experiment import calibrate as calib
 from superinfer_jax.experiment.workload_replay import StepTimer, loadavg_1m, replay_workload
@@ -86,7 +87,8 @@ def _load_model_tuple(spec: SweepSpec, engine_config) -> tuple[Any, Any, Any]:
 def _run_extra(engine, config, res, *, policy, variant, repeat, run_index, ref_step, drift, cpu_share, cpu_drift,
                perturbed) -> dict[str, Any]:
   """The real run's own columns of its results row: pools, the engine's counters, compilations during the
-  run, step-time percentiles and drift, CPU share, load, and the settings an ablation varies."""
+  run, step-time percentiles and drift, CPU share, load, the settings an ablation varies, and prefix
+  caching's columns (``metrics/prefix_cache.py``)."""
   st = res.engine_stats
   steps_sorted = sorted(res.step_times_s)
   extra = {"num_device_blocks": engine.num_device_blocks, "num_host_blocks": engine.num_host_blocks,
@@ -108,7 +110,11 @@ def _run_extra(engine, config, res, *, policy, variant, repeat, run_index, ref_s
            "pipeline": config.pipeline, "attention": config.model.attention, "dtype": config.model.dtype,
            "transfer_mode": config.rotation.transfer_mode, "min_residency": config.scheduler.min_residency,
            "proactive_swap_budget": config.scheduler.proactive_swap_budget,
-           "writeback": config.scheduler.writeback}
+           "writeback": config.scheduler.writeback,
+           "enable_prefix_caching": config.scheduler.enable_prefix_caching,
+           "host_prefix_cache": config.scheduler.host_prefix_cache,
+           "tokens_scheduled": st["tokens_scheduled"]}
+  extra.update(prefix_cache_columns(engine.scheduler_stats().prefix_cache, config.block_size))
   return extra
 
 

@@ -179,6 +179,8 @@ TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("tpot_p99_s", "TPOT p99 ms", "ms"), ("output_throughput_tok_s", "tok/s", "{:.1f}"),
     ("num_rotations", "rot", "{}"), ("rotations_per_step", "rot/step", "{:.2f}"),
     ("mean_residency_steps", "resid", "{:.1f}"), ("num_recompute_preemptions", "recomp", "{}"),
+    ("prefix_device_hit_rate", "hit dev%", "pct"), ("prefix_host_hit_rate", "hit host%", "pct"),
+    ("prefill_tokens_saved", "pf saved", "{}"),
     ("repeat", "rep", "{}"), ("step_time_p50_s", "step ms", "ms"), ("step_time_drift", "drift", "{:.2f}"), ("cpu_share_drift", "cpu", "{:.2f}"),
 )
 

@@ -1,0 +1,186 @@
+"""Prefix caching in the block pools and the block manager, hand-worked: the LRU order of cached blocks, tail-first
+freeing, never-published blocks reused first, salts isolate hashes, host copies findable only a step after
+their copy, rotation re-adopting blocks still on device, admission counting only the blocks it takes, and the
+load-or-recompute rule."""
+from array import array
+
+import pytest
+
+from superinfer_jax.kv.block_manager import BlockManager
+from superinfer_jax.kv.block_pool import BlockPool
+from superinfer_jax.kv.pairs import DEV_IDS, PairList, h2d_pairs
+from superinfer_jax.kv.prefix_hash import block_hashes, extra_key_of, id_block_hashes
+from superinfer_jax.sched import Request, Scheduler, SchedulerConfig, VirtualClock
+
+BS = 4
+
+
+def _pool(n=6):
+  return BlockPool(1, n, DEV_IDS)
+
+
+def test_lru_order_and_never_published_blocks_first():
+  p = _pool(6)
+  a = p.take(4)                     # blocks 1..4 owned
+  for b, key in zip(a, "wxyz"):
+    p.publish(b, key)
+  p.release(array(DEV_IDS, [3, 1, 4, 2]))   # all published: into the LRU in this order
+  assert list(p.evictable) == [3, 1, 4, 2] and p.num_free == 6
+  p.share(p.lookup("w"))            # re-adopt block 1: out of the LRU, KV intact
+  assert list(p.evictable) == [3, 4, 2] and p.num_free == 5
+  got = p.take(3)                   # the free queue (5, 6: never published) first, then the oldest cached (3)
+  assert got.tolist() == [5, 6, 3]
+  assert p.lookup("y") is None and p.lookup("x") == 2 and p.evictions == 1
+  assert p.take(3) is None          # 2 left (4, 2): all-or-nothing
+  assert p.take(2).tolist() == [4, 2] and p.evictions == 3 and p.index == {"w": 1}  # the re-adopted one stays
+  p.check()
+
+
+def test_shared_block_freed_only_by_its_last_owner():
+  p = _pool(3)
+  b = p.take(1)[0]
+  p.publish(b, "k")
+  p.share(b)
+  p.share(b)
+  assert p.owners(b) == 3
+  p.release([b])
+  p.release([b])
+  assert p.owners(b) == 1 and b not in p.evictable and p.num_free == 2
+  p.release([b])
+  assert b in p.evictable and p.num_free == 3
+  p.check()
+
+
+def test_hashes_chain_and_salts_isolate():
+  toks = list(range(10, 10 + 3 * BS + 2))
+  h = block_hashes(toks, BS)
+  assert len(h) == 3 and len(set(h)) == 3
+  assert block_hashes(toks[:2 * BS], BS) == h[:2]                       # a prefix has the prefix's hashes
+  other = [99] + toks[1:]
+  assert not set(block_hashes(other, BS)) & set(h)                    # a different first block changes all
+  a, b = extra_key_of("m", "alice"), extra_key_of("m", "bob")
+  assert block_hashes(toks, BS, a) == block_hashes(toks, BS, a)
+  assert not set(block_hashes(toks, BS, a)) & set(block_hashes(toks, BS, b))
+  assert not set(block_hashes(toks, BS, a)) & set(block_hashes(toks, BS, extra_key_of("m")))
+  assert not set(block_hashes(toks, BS, extra_key_of("m"))) & set(block_hashes(toks, BS, extra_key_of("m2")))
+  assert id_block_hashes([7, 8]) == id_block_hashes([7, 8, 9])[:2]
+
+
+def _admit(bm, rid, toks, total=None):
+  """A request on its cached prefix (capped so its last token is computed), its prefill marked computed."""
+  hashes = block_hashes(toks, BS)
+  dev, host = bm.lookup_prefix(hashes, (len(toks) - 1) // BS)
+  out = h2d_pairs()
+  assert bm.allocate_prefix(rid, hashes, dev, host, total or len(toks), out)
+  bm.mark_computed(rid, len(toks))
+  return dev, host, out
+
+
+def test_tail_first_freeing_keeps_the_shared_head_longest():
+  bm = BlockManager(6, 0, BS)
+  toks = list(range(3 * BS + 1))
+  _admit(bm, "a", toks)
+  table = bm.block_table("a").tolist()
+  bm.free("a")
+  assert list(bm.device.evictable) == table[:3][::-1]    # published full blocks, tail first
+  assert table[3] in bm.device.free_ids()                # the partial block was never published
+  assert bm.append_slots("big", 4 * BS)                  # 3 never-published + the oldest cached: a's tail
+  assert bm.lookup_prefix(block_hashes(toks, BS), 3) == (2, 0)
+  bm.check_invariants()
+
+
+def test_admission_takes_only_the_blocks_it_needs():
+  bm = BlockManager(5, 0, BS)
+  toks = list(range(3 * BS + 1))
+  _admit(bm, "a", toks)                                  # 4 blocks, 3 published
+  assert bm.num_free_device_blocks == 1
+  dev, host, out = _admit(bm, "b", toks)                 # shares 3, needs 1 fresh: fits in 1 free
+  assert (dev, host, len(out)) == (3, 0, 0)
+  assert bm.block_table("b").tolist()[:3] == bm.block_table("a").tolist()[:3]
+  assert bm.num_free_device_blocks == 0
+  bm.check_invariants()
+  bm.free("a")
+  bm.free("b")
+  assert bm.num_free_device_blocks == 5
+  bm.check_invariants()
+
+
+def test_host_copy_findable_only_after_the_next_begin_step():
+  bm = BlockManager(8, 8, BS)
+  toks = list(range(2 * BS + 1))
+  _admit(bm, "a", toks)
+  wb = bm.take_writebacks()
+  assert len(wb) == 2
+  assert not bm.host.index                               # copied this step: not findable yet
+  bm.begin_step()
+  assert len(bm.host.index) == 2
+  bm.free("a")
+  assert len(bm.host.evictable) == 2                     # outlives its request on host
+  for rid in ("x", "y"):                                 # fill the device so a's blocks are evicted there
+    assert bm.append_slots(rid, 4 * BS)
+  bm.free("x")
+  bm.free("y")
+  assert bm.lookup_prefix(block_hashes(toks, BS), 2) == (0, 2)
+  dev, host, out = _admit(bm, "b", toks)
+  assert (dev, host) == (0, 2) and len(out) == 2 and bm.num_host_mirrors("b") == 2
+  bm.check_invariants()
+
+
+def test_rotation_readopts_blocks_still_on_device():
+  bm = BlockManager(8, 16, BS)
+  toks = list(range(2 * BS + 2))
+  _admit(bm, "a", toks)
+  bm.take_writebacks()
+  before = bm.block_table("a").tolist()
+  out = PairList.from_columns([], [])
+  assert bm.swap_out_to("a", out) == 1                    # only the dirty tail moves
+  assert bm.is_swapped("a")
+  back = h2d_pairs()
+  assert bm.swap_in_to("a", back) == 3
+  assert len(back) == 0 and bm.readopted_blocks == 3      # every block still on device: no copy
+  assert bm.block_table("a").tolist() == before
+  out = PairList.from_columns([], [])
+  bm.swap_out_to("a", out)
+  assert bm.append_slots("big", 8 * BS)                   # evicts all of a's device blocks
+  bm.free("big")
+  back = h2d_pairs()
+  bm.swap_in_to("a", back)
+  assert len(back) == 3 and bm.readopted_blocks == 3
+  bm.check_invariants()
+
+
+@pytest.mark.parametrize("rule, load_s, per_token_s, loads", [
+    ("cost", 1e-5, 1e-6, False),      # a block loads in 1e-5 s, recomputes in 4 x 1e-6 s: recompute
+    ("cost", 1e-6, 1e-6, True),       # 1e-6 < 4e-6: load
+    ("cost", 5e-6, 1e-6, False),      # 5e-6 >= 4e-6: recompute
+    ("cost", None, 1e-6, True),       # a side unset: loads count as free
+    ("always", 1.0, 0.0, True), ("never", 0.0, 1.0, False)])
+def test_load_or_recompute_rule(rule, load_s, per_token_s, loads):
+  cfg = SchedulerConfig(host_prefix_load=rule, prefix_load_s_per_block=load_s, prefill_s_per_token=per_token_s)
+  assert cfg.loads_host_prefix(BS) is loads
+
+
+@pytest.mark.parametrize("rule", ["always", "never"])
+def test_scheduler_loads_or_recomputes_a_host_prefix(rule):
+  bm = BlockManager(8, 16, BS)
+  sched = Scheduler(SchedulerConfig(policy="fcfs", host_prefix_load=rule, max_num_batched_tokens=64), bm,
+                    VirtualClock())
+  toks = list(range(3 * BS + 1))
+  first = Request("a", len(toks), 3, 0.0, block_hashes=block_hashes(toks, BS))
+  sched.add_request(first)
+  while sched.has_unfinished():  # prefill, then two decode steps: the first writes its full blocks back
+    sched.on_step_done(sched.schedule())
+  bm.begin_step()                                         # the copies' step is over: publish them
+  assert len(bm.host.index) == 3
+  assert bm.append_slots("big", 8 * BS)                   # evict a's blocks on device
+  bm.free("big")
+  sched.add_request(Request("b", len(toks), 1, 0.0, block_hashes=block_hashes(toks, BS)))
+  plan = sched.schedule()
+  seq = plan.scheduled[0]
+  if rule == "always":
+    assert (seq.num_computed_tokens, seq.num_new_tokens, len(plan.swap_in)) == (3 * BS, 1, 3)
+    assert plan.prefix_host_hits == 3
+  else:
+    assert (seq.num_computed_tokens, seq.num_new_tokens, len(plan.swap_in)) == (0, 3 * BS + 1, 0)
+    assert plan.prefix_host_hits == 0
+  sched.check_invariants()
