@@ -55,6 +55,11 @@ so the time ratio runs above it. Do not optimise for it: moving per-element work
 lowers the count but costs more machine instructions than a comprehension; judge hot-path changes by
 callgrind instructions.
 
+``--shared_prefixes=K`` gives every request block hashes (prefix caching engages: its first
+``--prefix_blocks`` blocks are one of ``K`` shared prefixes); ``--baseline_no_caching`` then times the policy
+against itself with ``enable_prefix_caching`` off on the same workload (the baseline row's policy is
+``<policy>:no_caching``): prefix caching's scheduler cost side by side.
+
 ``--plan_hashes`` skips the timing and prints ``{policy: {scenario: sha256}}`` for every policy over the
 replay scenarios (``sched/replay.py``; ``--hash_steps`` steps each): the plan-hash check, pinned by
 ``tests/sched/test_sched_replay.py``.
@@ -90,17 +95,28 @@ flags.DEFINE_integer("rewarm", 3, "untimed steps at the start of each chunk (cac
 flags.DEFINE_string("baseline", "fcfs", "policy timed side by side with --policy (empty: none)")
 flags.DEFINE_integer("count_opcodes", 0, "also count the bytecode instructions of this many schedule() calls per "
                      "policy (fresh replays after --warmup steps, seed --seed; untimed): noise-free, see the docstring")
+flags.DEFINE_integer("shared_prefixes", 0, "prefix caching: requests carry block hashes, their first --prefix_blocks "
+                     "blocks one of this many shared prefixes (0: no hashes, caching never engages)")
+flags.DEFINE_integer("prefix_blocks", 8, "blocks of the shared prefix (within the prompt)")
+flags.DEFINE_bool("baseline_no_caching", False, "the baseline is --policy itself with enable_prefix_caching off "
+                  "(same workload, hashes ignored): prefix caching's cost side by side (needs --shared_prefixes)")
 flags.DEFINE_bool("plan_hashes", False, "print the plan hashes of every policy over the replay scenarios")
 flags.DEFINE_integer("hash_steps", 400, "steps per replay scenario for --plan_hashes")
 F = flags.FLAGS
 
 
-def scenario_from_flags() -> replay.Scenario:
+NO_CACHING = ":no_caching"  # a run label suffix: the policy with enable_prefix_caching off
+
+
+def scenario_from_flags(caching: bool = True) -> replay.Scenario:
   cfg = configtree.from_flags(SchedulerConfig)
   knobs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "policy"}
+  if not caching:
+    knobs["enable_prefix_caching"] = False
   return replay.Scenario(device_blocks=F.device_blocks, host_blocks=8 * F.device_blocks, block_size=16,
                          num_requests=F.num_requests, prompt_len=(32, 1024), max_tokens=(32, 512),
-                         config=knobs, step_s=F.step_s)
+                         config=knobs, step_s=F.step_s, shared_prefixes=F.shared_prefixes,
+                         prefix_blocks=F.prefix_blocks)
 
 
 def _p99(sorted_values: list) -> float:
@@ -119,7 +135,8 @@ class _TimedRun:
   def __init__(self, policy: str, seed: int):
     self.policy = policy
     self.seed = seed
-    self.rp = replay.Replay(policy, scenario_from_flags(), seed)
+    name = policy[:-len(NO_CACHING)] if policy.endswith(NO_CACHING) else policy
+    self.rp = replay.Replay(name, scenario_from_flags(caching=name == policy), seed)
     self.step = 0
     self.times = []
     self.wall = []
@@ -250,8 +267,11 @@ def main(argv):
     return
   if F.baseline and F.baseline not in POLICIES:
     raise app.UsageError(f"--baseline={F.baseline!r}: not a policy ({sorted(POLICIES)})")
-  rows, summary = compare(F.policy, F.baseline if F.baseline != F.policy else "", F.repeats, F.seed)
-  if summary is not None and F.count_opcodes > 0:
+  if F.baseline_no_caching and not F.shared_prefixes:
+    raise app.UsageError("--baseline_no_caching needs --shared_prefixes > 0 (else caching never engages)")
+  baseline = F.policy + NO_CACHING if F.baseline_no_caching else F.baseline
+  rows, summary = compare(F.policy, baseline if baseline != F.policy else "", F.repeats, F.seed)
+  if summary is not None and F.count_opcodes > 0 and not F.baseline_no_caching:
     ops = {p: replay.schedule_opcodes(p, scenario_from_flags(), F.warmup, F.count_opcodes, F.seed)
            for p in (F.policy, F.baseline)}
     summary.update(opcodes_per_step=round(ops[F.policy], 1), baseline_opcodes_per_step=round(ops[F.baseline], 1),

@@ -96,8 +96,9 @@ Prefix caching (requests created by ``allocate_prefix`` take part; docs/prefix_c
   * ``num_cached_requests``, ``prefix_cache_stats()``, ``readopted_blocks``.
   * While any block is published or shared (``BlockPool.shared``) or a cached request lives, rotation and
     write-back take the per-request ``*_shared`` paths of ``swap.py`` / ``writeback.py``: device blocks are
-    released tail first, a rotated-out request's own blocks stay findable under its private rotation key
-    and a swap-in re-adopts those still on device with no copy; write-back shares a published host copy.
+    released tail first, a rotated-out request's own blocks are parked under its id (``BlockPool.park``)
+    and a swap-in re-adopts, with no copy, those still parked and its hashed blocks still published; write-back
+    shares a published host copy.
 
 Mutations:
   * ``append_slots(req_id, num_new_tokens) -> bool``: grow a resident (or new: the first call creates the
@@ -169,7 +170,7 @@ from array import array
 
 from superinfer_jax.kv import swap, writeback
 from superinfer_jax.kv.block_pool import BlockPool
-from superinfer_jax.kv.block_seq import NO_BLOCK, ReqId, SeqBlocks, no_block_ids, rotation_key
+from superinfer_jax.kv.block_seq import NO_BLOCK, ReqId, SeqBlocks, no_block_ids
 from superinfer_jax.kv.invariants import check_invariants as _check_invariants
 from superinfer_jax.kv.layout import blocks_for
 from superinfer_jax.kv.pairs import DEV_IDS, HOST_IDS, PairList
@@ -499,15 +500,12 @@ class BlockManager:
       self.host.release(array(HOST_IDS, [h for h in ids if h != NO_BLOCK]))
 
   def _free_shared(self, req_id: ReqId, s: SeqBlocks) -> None:
-    """``free`` with shared blocks: its private rotation keys are forgotten, then its device and host blocks
-    released tail first (published ones stay findable, in the LRU)."""
+    """``free`` with shared blocks: its parked blocks (a swapped-out request's) are freed, then its device and host
+    blocks released tail first (published ones stay findable, in the LRU)."""
     if s.hashes is not None:
       self._ncached -= 1
       if s.on_host:
-        for i in range(len(s.host)):
-          key = rotation_key(req_id, i)
-          if key in self.device.index:
-            self.device.forget(key)
+        self.device.drop_parked(req_id)
     if not s.on_host:
       self._mirrors -= s.nhost
       self.device.release(s.dev[::-1])

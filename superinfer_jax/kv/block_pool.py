@@ -12,14 +12,19 @@ is implicit. A block with more owners (prefix caching shares full blocks of equa
 in ``refs``. A block is never free while any slot owns it, and its KV is never written while more than one slot
 owns it (only full blocks are shared, and KV is append-only).
 
-Cached blocks (prefix caching). A block may be *published* under a key (``publish``): ``index`` maps the key to
-the block and ``hash_of`` the block to its key; ``lookup(key)`` finds it. Publishing never changes ownership.
-When its last owner releases a published block it goes to ``evictable`` (an LRU, oldest first) instead of the
-free queue: it stays findable, and ``share`` re-adopts it with its KV intact. It counts as free
-(``num_free``): a ``take`` that the free queue cannot serve evicts the oldest evictable blocks (unpublishing
-them, counted in ``evictions``) into the free queue, so blocks that were never published are reused first.
-``forget(key)`` unpublishes one block (an evictable one goes to the free queue). Keys are hashable values
-chosen by the block manager (content hashes of full blocks, or a request's private rotation keys).
+Cached blocks (prefix caching). A block may be *published* under a content hash (``publish``): ``index`` maps
+the hash to the block and ``hash_of`` the block to its hash; ``lookup(hash)`` finds it. Publishing never
+changes ownership. When its last owner releases a published block it goes to ``evictable`` (an LRU, oldest
+first) instead of the free queue: it stays findable, and ``share`` re-adopts it with its KV intact.
+
+Parked blocks (rotation). ``park(key, ids)`` sets aside blocks their one owner gave up (a rotated-out
+request's own, never-published blocks) as one group under ``key``; ``unpark(key)`` hands back what is left of
+the group, in the order parked, with its KV intact. Groups are oldest first in ``parked``.
+
+Evictable and parked blocks count as free (``num_free``). A ``take`` that the free queue cannot serve evicts
+first parked blocks (the oldest group first, from its tail), then the oldest evictable blocks (unpublishing
+them), into the free queue: blocks that were never published or parked are reused first. ``evictions``
+counts evicted published blocks, ``parked_evictions`` parked ones.
 
 The free queue is FIFO: ``release`` appends to the tail, ``take`` pops the head, so the ids handed out depend
 only on the sequence of takes and releases (the scheduler's plan hashes include every id). It is an
@@ -58,8 +63,11 @@ class BlockPool:
     evictable: published blocks nobody owns, oldest first (``OrderedDict`` block -> None).
     refs: block -> owners beyond the first (only blocks with more than one owner).
     evictions: published blocks evicted so far (a ``take`` reused them).
+    parked: key -> its group of parked blocks (an ``array``), oldest group first (``OrderedDict``).
+    num_parked: blocks in ``parked``; parked_evictions: parked blocks evicted so far.
   """
-  __slots__ = ("first_id", "num_blocks", "ids", "head", "index", "hash_of", "evictable", "refs", "evictions")
+  __slots__ = ("first_id", "num_blocks", "ids", "head", "index", "hash_of", "evictable", "refs", "evictions",
+               "parked", "num_parked", "parked_evictions")
 
   def __init__(self, first_id: int, num_blocks: int, typecode: str):
     if num_blocks < 0:
@@ -73,16 +81,19 @@ class BlockPool:
     self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
     self.refs: dict[int, int] = {}
     self.evictions = 0
+    self.parked: collections.OrderedDict[Hashable, array] = collections.OrderedDict()
+    self.num_parked = 0
+    self.parked_evictions = 0
 
   @property
   def num_free(self) -> int:
-    """Blocks a ``take`` can hand out: the free queue plus the evictable cached blocks."""
-    return len(self.ids) - self.head + len(self.evictable)
+    """Blocks a ``take`` can hand out: the free queue plus the evictable and parked blocks."""
+    return len(self.ids) - self.head + len(self.evictable) + self.num_parked
 
   @property
   def shared(self) -> bool:
-    """Some block is published or has more than one owner (the direct ``ids`` paths are off)."""
-    return bool(self.hash_of) or bool(self.refs)
+    """Some block is published, parked or has more than one owner (the direct ``ids`` paths are off)."""
+    return bool(self.hash_of) or bool(self.refs) or bool(self.num_parked)
 
   def usage(self) -> float:
     """Used fraction in [0, 1]; an empty pool counts as full (1.0)."""
@@ -97,7 +108,7 @@ class BlockPool:
     head = self.head
     end = head + n
     if end > len(ids) or n < 0:
-      if n < 0 or end > len(ids) + len(self.evictable):
+      if n < 0 or end > len(ids) + len(self.evictable) + self.num_parked:
         return None
       self._evict(end - len(ids))
     out = ids[head:end]
@@ -161,29 +172,70 @@ class BlockPool:
     else:
       self.refs[block] = self.refs.get(block, 0) + 1
 
+  def share_many(self, blocks) -> None:
+    """``share`` for each of ``blocks`` (published, distinct)."""
+    evictable = self.evictable
+    refs = self.refs
+    for b in blocks:
+      if b in evictable:
+        del evictable[b]
+      else:
+        refs[b] = refs.get(b, 0) + 1
+
   def is_evictable(self, block: int) -> bool:
     return block in self.evictable
 
-  def forget(self, key: Hashable) -> None:
-    """Unpublishes the block under ``key`` (no-op if none); an evictable one goes to the free queue's tail."""
-    b = self.index.pop(key, None)
-    if b is None:
-      return
-    del self.hash_of[b]
-    if b in self.evictable:
-      del self.evictable[b]
-      self.ids.append(b)
+  def park(self, key: Hashable, ids: array) -> None:
+    """Sets aside ``ids`` (an ``array`` of the pool's typecode, taken over), blocks their one owner gave up and
+    nobody else owns or finds, as the group ``key`` (module docstring). ``key`` must not be parked already."""
+    if key in self.parked:
+      raise ValueError(f"park: {key!r} is parked already")
+    if ids:
+      self.parked[key] = ids
+      self.num_parked += len(ids)
+
+  def parked_count(self, key: Hashable) -> int:
+    """Blocks of group ``key`` still parked (0 if none)."""
+    g = self.parked.get(key)
+    return 0 if g is None else len(g)
+
+  def unpark(self, key: Hashable) -> array:
+    """What is left of group ``key`` (a prefix of the ids parked, in order; evictions take its tail), now
+    owned by the caller again; an empty array if nothing is left."""
+    g = self.parked.pop(key, None)
+    if g is None:
+      return array(self.ids.typecode)
+    self.num_parked -= len(g)
+    return g
+
+  def drop_parked(self, key: Hashable) -> None:
+    """Frees what is left of group ``key`` (to the free queue's tail)."""
+    self.ids += self.unpark(key)
 
   def owners(self, block: int) -> int:
     """Owners of a block known to be owned (1 + ``refs``)."""
     return 1 + self.refs.get(block, 0)
 
   def _evict(self, n: int) -> None:
-    """Moves the ``n`` oldest evictable blocks to the free queue's tail, unpublished."""
+    """Moves ``n`` blocks to the free queue's tail: parked ones first (oldest group, from its tail), then the
+    oldest evictable ones, unpublished."""
+    free = self.ids
+    parked = self.parked
+    while n and parked:
+      key, g = next(iter(parked.items()))
+      k = n if n < len(g) else len(g)
+      free += g[len(g) - k:][::-1]
+      del g[len(g) - k:]
+      if not g:
+        del parked[key]
+      self.num_parked -= k
+      self.parked_evictions += k
+      n -= k
+    if not n:
+      return
     evictable = self.evictable
     hash_of = self.hash_of
     index = self.index
-    free = self.ids
     for _ in range(n):
       b = evictable.popitem(last=False)[0]
       del index[hash_of.pop(b)]
@@ -197,8 +249,8 @@ class BlockPool:
   def check(self) -> None:
     """Raises AssertionError if the free queue is malformed (head out of range, an id outside the pool's
     range, an id queued twice) or the cache's maps disagree (``index`` / ``hash_of`` not inverse, an
-    evictable block unpublished or on the free queue, extra owners of a free block). O(num_blocks); for
-    tests and debug."""
+    evictable block unpublished or on the free queue, extra owners of a free block, a parked block also
+    free, evictable, published or shared, ``num_parked`` off). O(num_blocks); for tests and debug."""
     assert 0 <= self.head <= len(self.ids), f"free-queue head {self.head} of {len(self.ids)}"
     free = self.free_ids()
     assert len(set(free)) == len(free), "free queue has duplicates"
@@ -214,6 +266,12 @@ class BlockPool:
       assert b not in self.hash_of, f"free block {b} is still published"
       assert b not in self.refs, f"free block {b} has extra owners"
     assert all(r >= 1 for r in self.refs.values()), "a refs entry below 1"
+    parked = [b for g in self.parked.values() for b in g]
+    assert len(parked) == self.num_parked, f"num_parked {self.num_parked} != {len(parked)}"
+    assert len(set(parked)) == len(parked), "a block parked twice"
+    for b in parked:
+      assert b not in fset and b not in self.evictable, f"parked block {b} is also free or evictable"
+      assert b not in self.hash_of and b not in self.refs, f"parked block {b} is published or shared"
     lo, hi = self.first_id, self.first_id + self.num_blocks
     bad = [b for b in free if not lo <= b < hi]
     assert not bad, f"free queue holds ids {bad[:8]} outside [{lo}, {hi})"

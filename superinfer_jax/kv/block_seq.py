@@ -80,8 +80,3 @@ def dirty_blocks(s: SeqBlocks, block_size: int) -> list[int]:
     out.append(nfull)
   return out
 
-
-def rotation_key(req_id: ReqId, i: int) -> tuple:
-  """The private key under which a rotated-out request's logical block ``i`` stays findable on device (by
-  that request only: content hashes are ints, so a tuple never equals one)."""
-  return ("rotated", req_id, i)

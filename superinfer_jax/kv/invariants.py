@@ -26,9 +26,9 @@ def check_invariants(bm) -> None:
 
 def _check_published(bm) -> None:
   """Prefix caching: a published block holds what its key says. A device block published under a content hash
-  and owned is full and computed for an owner whose hash it is; one under a rotation key belongs to that
-  swapped-out request's logical block and is evictable; a published host block owned by a request is a clean
-  full copy of a block of that hash."""
+  and owned is full and computed for an owner whose hash it is; a published host block owned by a request is a
+  clean full copy of a block of that hash (parked blocks are checked with the free lists: they belong to
+  swapped-out requests)."""
   bs = bm.block_size
   written = {}  # device block -> content hashes of owners that have it full and computed
   host_clean = {}
@@ -41,12 +41,7 @@ def _check_published(bm) -> None:
         host_clean.setdefault(s.host[i], set()).add(hashes[i])
   dev = bm.device
   for key, b in dev.index.items():
-    if isinstance(key, tuple):
-      _, rid, i = key
-      s = bm.seqs.get(rid)
-      assert s is not None and s.on_host and i < len(s.host), f"rotation key {key!r} of no swapped-out request"
-      assert dev.is_evictable(b), f"rotation key {key!r}: block {b} is owned"
-    elif not dev.is_evictable(b):
+    if not dev.is_evictable(b):
       assert key in written.get(b, ()), f"device block {b} published before an owner of that hash computed it"
   host = bm.host
   for key, h in host.index.items():
@@ -110,6 +105,10 @@ def _check_free_lists(bm, dev_owners: list[int], host_owners: list[int]) -> None
   for name, pool, owners, lo in (("device", bm.device, dev_owners, 1), ("host", bm.host, host_owners, 0)):
     free = set(pool.free_ids()) | set(pool.evictable)
     assert PADDING_BLOCK not in free or name == "host", "padding block on the free list"
+    for key in pool.parked:
+      s = bm.seqs.get(key)
+      assert name == "device" and s is not None and s.on_host, f"{name} blocks parked for {key!r}, not swapped out"
+      free |= set(pool.parked[key])
     for b in range(lo, len(owners)):
       n = owners[b]
       assert (b in free) == (n == 0), f"{name} block {b}: free={b in free}, owners={n}"

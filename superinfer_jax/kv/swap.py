@@ -19,7 +19,7 @@ from array import array
 
 from superinfer_jax.kv.block_pool import BlockPool
 from superinfer_jax.kv.block_seq import (NO_BLOCK, ReqId, SeqBlocks, computed_in_block, dirty_blocks, extend_column,
-                                         no_block_ids, rotation_key)
+                                         no_block_ids)
 from superinfer_jax.kv.layout import blocks_for
 from superinfer_jax.kv.pairs import DEV_IDS, HOST_IDS, PairList
 from superinfer_jax.kv.writeback import WriteBackQueue
@@ -236,12 +236,13 @@ def swap_in_many(seqs: dict, device: BlockPool, block_size: int, req_ids, num_ne
 
 def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: WriteBackQueue, block_size: int,
                     req_ids, out: PairList, host_published: list) -> tuple[int, int, int]:
-  """``swap_out_many`` with shared blocks: the same moves and copies, and for each request swapped out that
-  takes part in prefix caching (``SeqBlocks.hashes`` not None), its computed device blocks that are not
-  published yet are published under its private ``rotation_key`` before they are released tail first, so a
-  later ``swap_in_shared`` re-adopts those still on device. Host copies made clean by the swap-out whose
-  block has a content hash are appended to ``host_published`` as ``(host id, hash, req_id, logical block)`` (the block manager
-  publishes them a step later: ordering). Returns ``(k, pairs, mirrors)`` as ``swap_out_many``."""
+  """``swap_out_many`` with shared blocks: the same moves and copies. The device blocks are released tail first;
+  for a request taking part in prefix caching (``SeqBlocks.hashes`` not None), its computed blocks past its
+  prompt's hashed blocks (its own, never published) are parked under its id instead (``BlockPool.park``), so
+  that ``swap_in_shared`` re-adopts those still parked; its hashed blocks stay findable by content. Host copies
+  made clean by the swap-out whose block has a content hash are appended to ``host_published`` as ``(host id,
+  hash, req_id, logical block)`` (the block manager publishes them a step later: ordering). Returns ``(k,
+  pairs, mirrors)`` as ``swap_out_many``."""
   start = len(out.srcs)
   done = mirrors = 0
   bs = block_size
@@ -250,21 +251,33 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
     if s.on_host:
       raise ValueError(f"request {req_id!r} is already swapped out")
     nhost = s.nhost
-    dirty = dirty_blocks(s, bs) if s.hashes else ()
     hashes = s.hashes
-    dev = s.dev[:]
-    n = blocks_for(s.num_computed, bs)
-    # Released inside swap_out_general (tail first below): publish first, release after.
-    if hashes is not None:
-      for i in range(n):
-        device.publish(dev[i], rotation_key(req_id, i))  # no-op for blocks published by content already
-    moved = _swap_out_one(queue, req_id, s, device, host, bs, out, dev)
-    if moved is None:
-      if hashes is not None:
-        for i in range(n):
-          if device.hash_of.get(dev[i]) == rotation_key(req_id, i):
-            device.forget(rotation_key(req_id, i))
+    dirty = dirty_blocks(s, bs) if hashes else ()
+    if _copy_dirty(queue, req_id, s, host, bs, out) is None:
       break
+    dev = s.dev
+    n = blocks_for(s.num_computed, bs)
+    if hashes is None:
+      device.release(dev[::-1])
+    else:
+      nh = min(len(hashes), n)
+      if len(dev) > n:
+        device.release(dev[n:])  # slots without KV: never published
+      if n > nh:
+        device.park(req_id, dev[nh:n])  # its own blocks: re-adopted by its swap-in while still parked
+      if nh:
+        device.release(dev[nh - 1::-1])  # its hashed blocks, tail first: findable by content
+    del s.dev[:]
+    ids = s.host
+    if n < len(ids):
+      dropped = [h for h in ids[n:] if h != NO_BLOCK]
+      if dropped:
+        host.release(array(HOST_IDS, dropped))
+        s.nhost -= len(dropped)
+      del ids[n:]
+      del s.host_tokens[n:]
+    s.num_tokens = s.num_computed
+    s.on_host = True
     if hashes:
       nh = len(hashes)
       host_published += [(s.host[i], hashes[i], req_id, i) for i in dirty if i < nh and (i + 1) * bs <= s.num_computed]
@@ -273,40 +286,19 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   return done, len(out.srcs) - start, -mirrors
 
 
-def _swap_out_one(queue, req_id, s: SeqBlocks, device: BlockPool, host: BlockPool, block_size: int,
-                  out: PairList, dev: array) -> int | None:
-  """``swap_out_general`` releasing the device blocks tail first (the LRU evicts a request's tail first)."""
-  moved = _copy_dirty(queue, req_id, s, host, block_size, out)
-  if moved is None:
-    return None
-  device.release(dev[::-1])
-  del s.dev[:]
-  ids = s.host
-  n = blocks_for(s.num_computed, block_size)
-  if n < len(ids):
-    dropped = [h for h in ids[n:] if h != NO_BLOCK]
-    if dropped:
-      host.release(array(HOST_IDS, dropped))
-      s.nhost -= len(dropped)
-    del ids[n:]
-    del s.host_tokens[n:]
-  s.num_tokens = s.num_computed
-  s.on_host = True
-  return moved
-
-
 def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_new_tokens: int,
                    out: PairList) -> tuple[list[array], int, int]:
-  """``swap_in_many`` with shared blocks. A logical block whose KV is still on device (published under the
-  request's content hash or its ``rotation_key``) is re-adopted with no copy; the others get a fresh block and
-  an H2D pair. All-or-nothing per request, in order, stopping at the first the device pool cannot take.
-  Returns ``(tables, mirrors, readopted)``: as ``swap_in_many``, plus the blocks re-adopted."""
+  """``swap_in_many`` with shared blocks. A logical block whose KV is still on device (its hashed prompt blocks
+  published by content; its own blocks still parked under its id) is re-adopted with no copy; the others get a
+  fresh block and an H2D pair. All-or-nothing per request, in order, stopping at the first the device pool
+  cannot take. Returns ``(tables, mirrors, readopted)``: as ``swap_in_many``, plus the blocks re-adopted."""
   if num_new_tokens < 0:
     raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
   bs = block_size
   tables = []
   mirrors = readopted = 0
   lookup = device.index.get
+  evictable = device.evictable
   for req_id in req_ids:
     s = seqs[req_id]
     if not s.on_host:
@@ -314,42 +306,44 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
     ids = s.host
     n = len(ids)
     hashes = s.hashes
-    found = [None] * n
-    revive = 0  # re-adopted blocks that are evictable now (each takes one of num_free)
-    if hashes is not None:
-      nh = len(hashes)
-      for i in range(n):
-        b = lookup(hashes[i]) if i < nh else None
-        if b is None:
-          b = lookup(rotation_key(req_id, i))
-        if b is not None:
-          found[i] = b
-          revive += device.is_evictable(b)
+    nh = 0 if hashes is None else min(len(hashes), n)
+    found = list(map(lookup, hashes[:nh])) if nh else []
+    hits = nh - found.count(None)
+    revive = len(evictable.keys() & found) if hits else 0
+    npark = device.parked_count(req_id)
     total = blocks_for(s.num_tokens + num_new_tokens, bs)
-    fresh_n = total - n + found.count(None)
-    if fresh_n + revive > device.num_free:
+    fresh_n = total - hits - npark
+    if fresh_n + revive + npark > device.num_free:
       break
-    for i, b in enumerate(found):
-      if b is not None:
-        device.share(b)
-        if device.hash_of.get(b) == rotation_key(req_id, i):
-          device.forget(rotation_key(req_id, i))  # its own again: the private key is spent
+    if hits:
+      device.share_many(found if hits == nh else [b for b in found if b is not None])
+    parked = device.unpark(req_id) if npark else None
     fresh = device.take(fresh_n)
-    devs = array(DEV_IDS, [0]) * total
-    k = 0
     srcs = out.srcs
     dsts = out.dsts
-    for i in range(total):
-      b = found[i] if i < n else None
-      if b is None:
-        b = fresh[k]
-        k += 1
-        if i < n:
+    if hits == nh:  # the usual case: every hashed block found (or none hashed)
+      devs = array(DEV_IDS, found) if nh else array(DEV_IDS)
+    else:
+      devs = array(DEV_IDS, [0]) * nh
+      k = 0
+      for i, b in enumerate(found):
+        if b is None:
+          b = fresh[k]
+          k += 1
           srcs.append(ids[i])
           dsts.append(b)
-      else:
-        readopted += 1
-      devs[i] = b
+        devs[i] = b
+      fresh = fresh[k:]
+    if npark:
+      devs += parked
+    m = n - len(devs)  # the rest of its blocks: copied into fresh ones
+    if m > 0:
+      srcs += ids[len(devs):n]
+      dsts += fresh[:m]
+      devs += fresh[:m]
+      fresh = fresh[m:]
+    devs += fresh  # the growth's blocks (no host copy)
+    readopted += hits + npark
     if total > n:
       ids += no_block_ids(total - n)
       s.host_tokens += [0] * (total - n)
@@ -358,6 +352,4 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
     s.num_tokens += num_new_tokens
     mirrors += s.nhost
     tables.append(devs)
-  # Private keys of other logical blocks of the swapped-in requests cannot remain: each was forgotten above or
-  # its block was evicted (unpublishing it).
   return tables, mirrors, readopted

@@ -31,6 +31,7 @@ import sys
 from typing import Iterable
 
 from superinfer_jax.kv.block_manager import BlockManager
+from superinfer_jax.kv.prefix_hash import id_block_hashes
 from superinfer_jax.sched.clock import VirtualClock
 from superinfer_jax.sched.config import SchedulerConfig
 from superinfer_jax.sched.plan import StepPlan
@@ -53,6 +54,10 @@ class Scenario:
   slo_jitter: bool = False     # per-request TTFT / TBT SLOs drawn around the defaults
   stop_prob: float = 0.0       # per sampled token: the engine stops the request (finished=)
   abort_every: int = 0         # abort the oldest live request every this many steps (0: never)
+  # Prefix caching: > 0 gives every request block hashes (Request.block_hashes): its first blocks (up to
+  # prefix_blocks, within its prompt) are one of shared_prefixes shared prefixes, the rest its own. 0: none.
+  shared_prefixes: int = 0
+  prefix_blocks: int = 8
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -107,6 +112,7 @@ class Replay:
     sc = self.scenario = scenario
     self._rng = random.Random(seed)
     self._tok_rng = random.Random(seed + 1)
+    self._prefix_rng = random.Random(seed + 2)  # its own stream: the request stream stays the same
     self.clock = VirtualClock()
     self.bm = BlockManager(sc.device_blocks, sc.host_blocks, sc.block_size)
     self.config = SchedulerConfig(**{**sc.config, "policy": policy})
@@ -125,8 +131,16 @@ class Replay:
       ttft = cfg.ttft_slo * rng.choice((0.25, 0.5, 1.0, 2.0))
       tbt = cfg.tbt_slo * rng.choice((0.5, 1.0, 3.0))
     prompt = rng.randint(*sc.prompt_len)
+    hashes = None
+    if sc.shared_prefixes:
+      nfull = prompt // sc.block_size
+      shared = min(sc.prefix_blocks, nfull)
+      p = self._prefix_rng.randrange(sc.shared_prefixes)
+      ids = [p * 4096 + i for i in range(shared)] + [(1 << 40) + self._next_id * 4096 + i
+                                                     for i in range(shared, nfull)]
+      hashes = id_block_hashes(ids)
     self.sched.add_request(Request(self._next_id, prompt, rng.randint(*sc.max_tokens), t,
-                                   ttft_slo=ttft, tbt_slo=tbt))
+                                   ttft_slo=ttft, tbt_slo=tbt, block_hashes=hashes))
     self._next_id += 1
 
   def schedule(self) -> StepPlan:
