@@ -215,11 +215,16 @@ FIGURE_METRICS = {
     "tbt_worst_p99_s": ("P99 over requests of worst TBT (s)", 1.0, True),
     "tbt_request_attainment": ("TBT attainment, per request (%)", 100.0, False),
     "kv_demand_p50": ("live KV / pool, P50", 1.0, False),
+    "prefix_hit_rate": ("prefix hit rate, both tiers (% of prompt blocks)", 100.0, False),
+    "prefix_host_hit_rate": ("prefix hit rate, host tier (% of prompt blocks)", 100.0, False),
+    "prefill_tokens_saved": ("prefill tokens saved", 1.0, False),
+    "prefix_host_evictions": ("host-tier evictions (blocks)", 1.0, False),
 }
 
 X_LABELS = {"rps": "request rate (req/s)", "swap_bandwidth_gbps": "swap bandwidth per direction (GB/s)",
             "proactive_swap_budget": "B_xfer (blocks per step)", "alpha": "alpha", "beta_f": "beta_F",
-            "beta_b": "beta_B", "tensor_parallel_size": "tensor-parallel GPUs"}
+            "beta_b": "beta_B", "tensor_parallel_size": "tensor-parallel GPUs",
+            "load_target": "contention target (fcfs P99 live KV / pool)"}
 
 
 def series_label(row: dict[str, Any], x_key: str) -> str:

@@ -27,6 +27,7 @@ def profile_name(hardware: Optional[str]) -> str:
 
 
 PREFIX_CONTENT = ("recorded", "tokens", "none")
+TRACE_ARRIVALS = ("recorded", "rescale", "contention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +49,12 @@ class SimConfig:
   trace_arrivals: str = knob(
       "recorded", "with --trace: 'recorded' replays the trace's own arrival times (--rps is ignored; the "
                   "rows' rps is the trace's mean rate); 'rescale' stretches them to each --rps value, "
-                  "keeping the burstiness", choices=("recorded", "rescale"))
+                  "keeping the burstiness; 'contention' stretches each window to the rate at which fcfs "
+                  "without prefix caching reaches --load_target (--rps is ignored; docs/simulator.md)",
+      choices=TRACE_ARRIVALS)
+  load_target: float = knob(
+      1.5, "with --trace_arrivals=contention: the P99 over fcfs's plans of the live KV demand (resident + "
+           "queued requests' blocks) per device pool that each window's rate is set to reach")
   trace_context_rule: str = knob(
       "drop", "with --trace: a request whose prompt + output exceeds the model's context (or the device pool) "
               "is 'drop'ped (before the window is taken) or 'clip'ped (the prompt keeps its first tokens and "
@@ -73,8 +79,11 @@ class SimConfig:
     v = self.length_scale
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
       raise ValueError(f"SimConfig.length_scale must be a finite number > 0, got {v!r}")
-    if self.trace_arrivals not in ("recorded", "rescale"):
-      raise ValueError(f"SimConfig.trace_arrivals must be 'recorded' or 'rescale', got {self.trace_arrivals!r}")
+    if self.trace_arrivals not in TRACE_ARRIVALS:
+      raise ValueError(f"SimConfig.trace_arrivals must be one of {TRACE_ARRIVALS}, got {self.trace_arrivals!r}")
+    v = self.load_target
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+      raise ValueError(f"SimConfig.load_target must be a finite number > 0, got {v!r}")
     if self.prefix_content not in PREFIX_CONTENT:
       raise ValueError(f"SimConfig.prefix_content must be one of {PREFIX_CONTENT}, got {self.prefix_content!r}")
     if self.trace_context_rule not in ("drop", "clip"):

@@ -74,6 +74,15 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("splitwise", f"Splitwise conversation trace, time-scaled to {SPLITWISE_RPS:g} rps at the paper's 20",
              dict(trace="splitwise", trace_arrivals="rescale"), rps_scale=SPLITWISE_RPS / PAPER_RPS),
 )}
+# Mooncake: a 600-request window per seed (about 3 minutes of the trace), its rate set by contention
+# (sim/contention_load.py); Llama-3.1-8B, whose 128k context holds the trace's prompts (docs/simulator.md).
+MOONCAKE_WINDOW = 600
+WORKLOADS["mooncake"] = Workload(
+    "mooncake", "Mooncake conversation trace, each window's rate set by contention",
+    dict(trace="mooncake", trace_arrivals="contention", model="llama-3.1-8b", num_requests=MOONCAKE_WINDOW))
+WORKLOADS["splitwise_contention"] = Workload(
+    "splitwise_contention", "Splitwise conversation trace, each window's rate set by contention",
+    dict(trace="splitwise", trace_arrivals="contention"))
 DEFAULT_WORKLOAD = "sharegpt_long"
 
 
@@ -121,6 +130,36 @@ def _at(policy: str, **fields) -> dict[str, Any]:
 
 
 _PT = dict(rps=PAPER_RPS)
+CACHING = {"off": dict(enable_prefix_caching=False),
+           "device": dict(enable_prefix_caching=True, host_prefix_cache=False),
+           "device+host": dict(enable_prefix_caching=True, host_prefix_cache=True)}
+CACHE_POLICIES = ("fcfs", "fcfs_swap", "rotasched", "rotasched_strict")
+PREFIX = ("prefix_hit_rate", "prefix_host_hit_rate", "prefill_tokens_saved", "prefix_host_evictions")
+
+
+def _arm(policy: str, caching: str) -> str:
+  return f"{policy}[{','.join(f'{k}={str(v).lower()}' for k, v in CACHING[caching].items())}]"
+
+
+def _prefix_claims(part: str) -> tuple:
+  """prefix_reuse's claims on one hardware part: the host tier against device-only caching per policy, device
+  caching against none, and RotaSched with the host tier against vLLM-style fcfs with device-only caching."""
+  out = []
+  for p in CACHE_POLICIES:
+    out.append(Claim(f"{part} {p}: device+host P99 TTFT <= device-only's", part, "ttft_p99_s",
+                     _at(p, **CACHING["device+host"]), _at(p, **CACHING["device"]), "<=", 1.0))
+    out.append(Claim(f"{part} {p}: device+host SLO attainment >= device-only's", part, "slo_attainment",
+                     _at(p, **CACHING["device+host"]), _at(p, **CACHING["device"]), ">=", 1.0))
+    out.append(Claim(f"{part} {p}: device-only P99 TTFT <= caching off's", part, "ttft_p99_s",
+                     _at(p, **CACHING["device"]), _at(p, **CACHING["off"]), "<=", 1.0))
+  for p in ("rotasched", "rotasched_strict"):
+    out.append(Claim(f"{part} {p} with the host tier: SLO attainment >= fcfs with device-only caching's", part,
+                     "slo_attainment", _at(p, **CACHING["device+host"]), _at("fcfs", **CACHING["device"]), ">=",
+                     1.0))
+  return tuple(out)
+
+
+_PREFIX_POLICIES = ",".join(_arm(p, c) for p in CACHE_POLICIES for c in CACHING)
 FIGURES: dict[str, Figure] = {f.name: f for f in (
     Figure("motivation", "Fig. 1 (paper.md §5 row 14): FCFS / Waiting-First / Swapped-First P99 TTFT and TBT vs "
            "RPS, Qwen2.5-32B; the paper reads it at RPS 20 (WF ~10x better P99 TTFT, ~100x worse P99 TBT; "
@@ -202,6 +241,14 @@ FIGURES: dict[str, Figure] = {f.name: f for f in (
             Part("mixtral-8x7b", "Mixtral-8x7B", dict(model="mixtral-8x7b", policies="fcfs,rotasched",
                                                       rps="10,15,20,25,30", vary="tensor_parallel_size:1,2"))),
            metrics=ATTAINMENT + LATENCY, contended=False),
+    Figure("prefix_reuse", "Prefix reuse at production scale (issue 50): prefix caching off / device only / "
+           "device + host under fcfs, fcfs_swap, rotasched and rotasched_strict, GH200 (NVLink-C2C) and H200 "
+           "(PCIe), Llama-3.1-8B on the Mooncake trace (workload mooncake); each window's load set by contention "
+           "(--load_target), the x axis",
+           (Part("gh200", "GH200 (C2C)", dict(hardware="gh200", policies=_PREFIX_POLICIES), x_key="load_target"),
+            Part("h200", "H200 (PCIe)", dict(hardware="h200", policies=_PREFIX_POLICIES), x_key="load_target")),
+           metrics=ATTAINMENT + LATENCY + PREFIX + ("rotations_per_step", "exposed_transfer_share"),
+           claims=_prefix_claims("gh200") + _prefix_claims("h200")),
 )}
 
 

@@ -33,6 +33,7 @@ from superinfer_jax.metrics.results import RESULTS_SCHEMA, append_results_row, r
 from superinfer_jax.metrics.timeline import requests_filename, write_timelines
 from superinfer_jax.model.config import load_config
 from superinfer_jax.metrics.prefix_cache import prefix_cache_columns
+from superinfer_jax.sim.contention_load import contention_rps, load_columns
 from superinfer_jax.sim.config import SimConfig, profile_name
 from superinfer_jax.sim.cost import Buckets, ModelProfile, device_pool_blocks
 from superinfer_jax.sim.event_loop import RooflineCost, derived_counters, simulate
@@ -160,12 +161,14 @@ def _tokenizer(spec: SweepSpec, log):
   return tok
 
 
-def _workloads(spec: SweepSpec, sim_config: SimConfig, mcfg, max_len: int, log):
+def _workloads(spec: SweepSpec, sim_config: SimConfig, mcfg, max_len: int, log, base=None):
   """Where the sweep's requests come from: ``(rps values, workload_at(rps) -> Workload, time_scale)``. With
   ``sim_config.trace``, the trace (lengths scaled, at most ``max_len`` tokens) at its recorded arrivals (the
   one rps is its mean rate) or rescaled to each rps (``time_scale[rps]`` records the factor, filled as
-  ``workload_at`` is called), ``trace_extra`` the context rule's counts for every row; else ``spec``'s
-  synthetic workload at each rps, lengths scaled."""
+  ``workload_at`` is called), ``trace_extra`` the context rule's counts for every row; or, with
+  ``trace_arrivals="contention"``, at the one rate ``sim/contention_load.py`` finds for the window with the run
+  setup ``base`` (its columns in ``trace_extra``); else ``spec``'s synthetic workload at each rps, lengths
+  scaled."""
   rps_values = spec.rps_values
   scale = sim_config.length_scale
   time_scale: dict[float, float] = {}   # rps -> factor the trace's arrival times were multiplied by
@@ -181,7 +184,23 @@ def _workloads(spec: SweepSpec, sim_config: SimConfig, mcfg, max_len: int, log):
         f"requests dropped, {info.context_clipped} clipped")
     trace_extra = dict(trace_context_rule=info.context_rule, trace_context_len=info.context_len,
                        trace_context_dropped=info.context_dropped, trace_context_clipped=info.context_clipped)
-    if sim_config.trace_arrivals == "recorded":
+    if sim_config.trace_arrivals == "contention":
+      load = contention_rps(trace_w, base.engine_config, base.cost, sim_config.load_target, info.mean_rps,
+                            time_limit_s=spec.time_limit_s)
+      log(f"[sim] load set by contention: {load.rps:.4g} rps gives fcfs (no prefix caching) a P99 live KV demand "
+          f"of {load.kv_demand_p99:.3g} x the pool (target {load.target:g}; {len(load.probes)} probes)")
+      if not 0.8 * load.target <= load.kv_demand_p99 <= 1.25 * load.target:
+        log(f"[sim] WARNING: the target was not reached (the window is too small or too large for the pool); "
+            f"its rows carry load_kv_demand_p99 = {load.kv_demand_p99:.3g}")
+      if spec.rps != SweepSpec.rps:
+        log("[sim] --rps is ignored with --trace_arrivals=contention (each window's rate is searched)")
+      rps_values = [load.rps]
+      trace_extra.update(load_columns(load))
+
+      def workload_at(rps: float):
+        time_scale[rps] = rescale_factor(trace_w, rps)
+        return rescale_to_rps(trace_w, rps)
+    elif sim_config.trace_arrivals == "recorded":
       if spec.rps != SweepSpec.rps:
         log("[sim] --rps is ignored with --trace_arrivals=recorded (the trace's own arrivals are replayed)")
       rps_values = [round(info.mean_rps, 6) if math.isfinite(info.mean_rps) else math.inf]
@@ -218,7 +237,7 @@ def run_sim_sweep(spec: SweepSpec, engine_config, sim_config: SimConfig, *, log=
                 mcfg.max_position_embeddings,
                 base.engine_config.num_device_blocks * base.engine_config.block_size)
   scale = sim_config.length_scale
-  rps_values, workload_at, time_scale, trace_extra = _workloads(spec, sim_config, mcfg, max_len, log)
+  rps_values, workload_at, time_scale, trace_extra = _workloads(spec, sim_config, mcfg, max_len, log, base)
   if scale != 1.0:
     log(f"[sim] every prompt and output length is scaled by {scale:g} (--length_scale)")
 
@@ -283,6 +302,8 @@ def _row(spec: SweepSpec, setup: RunSetup, res, label: str, policy: str, variant
       "pipeline": cfg.pipeline, "dtype": cfg.model.dtype, "transfer_mode": cfg.rotation.transfer_mode,
       "kv_layout": cfg.rotation.kv_layout, "min_residency": cfg.scheduler.min_residency,
       "proactive_swap_budget": cfg.scheduler.proactive_swap_budget, "writeback": cfg.scheduler.writeback,
+      "enable_prefix_caching": cfg.scheduler.enable_prefix_caching,
+      "host_prefix_cache": cfg.scheduler.host_prefix_cache, "prefix_content": setup.sim_config.prefix_content,
       "max_num_seqs": cfg.scheduler.max_num_seqs,
       "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
       "hardware_profile": setup.hardware.name, "model_profile": setup.model.name,
