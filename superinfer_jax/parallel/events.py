@@ -32,17 +32,19 @@ import numpy as np
 
 from superinfer_jax.model.sampling_params import SamplingParams
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
 class AddEvent:
-  """A new request: ``prompt`` is token ids (a list of ints) or a string the engine tokenizes."""
+  """A new request: ``prompt`` is token ids (a list of ints) or a string the engine tokenizes; ``cache_salt``
+  its prefix-cache salt (every process applies it alike, so their hits and plans agree)."""
   request_id: str
   prompt: Union[str, Sequence[int]]
   params: SamplingParams
   ttft_slo: Optional[float] = None
   tbt_slo: Optional[float] = None
+  cache_salt: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +81,8 @@ def encode_batch(batch: EventBatch) -> bytes:
   for ev in batch.events:
     if isinstance(ev, AddEvent):
       prompt = ev.prompt if isinstance(ev.prompt, str) else [_token_id(t) for t in ev.prompt]
-      evs.append(["add", ev.request_id, prompt, dataclasses.asdict(ev.params), ev.ttft_slo, ev.tbt_slo])
+      evs.append(["add", ev.request_id, prompt, dataclasses.asdict(ev.params), ev.ttft_slo, ev.tbt_slo,
+                  ev.cache_salt])
     elif isinstance(ev, AbortEvent):
       evs.append(["abort", ev.request_id, bool(ev.shutdown)])
     else:
@@ -102,9 +105,9 @@ def decode_batch(data: bytes) -> EventBatch:
   evs: list = []
   for e in d["events"]:
     if e[0] == "add":
-      _, rid, prompt, params, ttft, tbt = e
+      _, rid, prompt, params, ttft, tbt, salt = e
       params = SamplingParams(**{k: _tuples(v) for k, v in params.items()})
-      evs.append(AddEvent(rid, prompt, params, ttft, tbt))
+      evs.append(AddEvent(rid, prompt, params, ttft, tbt, salt))
     elif e[0] == "abort":
       evs.append(AbortEvent(e[1], e[2]))
     else:

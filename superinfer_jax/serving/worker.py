@@ -25,9 +25,7 @@ of the command queue, so all engines get the same events before the same step (d
 adds carry process 0's clock reading as their arrival time; a shutdown is a batch that aborts every live
 request and stops every loop. A failed step is fatal there (the engines cannot be drained or rebuilt in
 lockstep): the engine thread ends and ``/health`` answers 503. A request's ``cache_salt`` rides on its add
-(``SaltedAddEvent``) in a single process only: the broadcast does not carry it, so a multi-process worker
-refuses a salted request with a 400 naming the field rather than let process 0's prefix-cache hits (and
-plans) differ from the others'.
+event (``AddEvent.cache_salt``), so every process applies it alike.
 
 ``warmup(engine)`` (e.g. precompiling every step shape) runs in the engine thread before the loop; ``ready``
 says it is done (the app answers 503 until then). A step that compiles a new shape is logged as such.
@@ -37,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import gc
 import logging
 import queue
@@ -99,11 +96,7 @@ class EngineWorker:
   def submit(self, request_id: str, prompt: Any, params: Any, *, ttft_slo=None, tbt_slo=None,
              cache_salt: Optional[str] = None) -> asyncio.Queue:
     """Queues a request for the engine; returns its event queue. 429 when the admission queue is full,
-    503 when the engine is stopping; 400 for a ``cache_salt`` in a multi-process run (module docstring)."""
-    if cache_salt is not None and self.channel is not None:
-      raise APIError(400, "'cache_salt' is not supported by a multi-process server (the engine events broadcast "
-                          "to the other processes do not carry it)", code="unsupported_parameter",
-                     param="cache_salt")
+    503 when the engine is stopping."""
     if not self.alive:
       raise APIError(503, "the server is shutting down" if self._stop.is_set() else
                      f"the engine thread is not running ({self.fatal or 'stopped'})",
@@ -199,8 +192,7 @@ class EngineWorker:
           self._deliver(q, ("error", APIError(503, "the server is shutting down", type="server_error",
                                               code="unavailable")))
           continue
-        events.append(AddEvent(rid, prompt, params, ttft_slo, tbt_slo) if cache_salt is None else
-                      SaltedAddEvent(rid, prompt, params, ttft_slo, tbt_slo, cache_salt))
+        events.append(AddEvent(rid, prompt, params, ttft_slo, tbt_slo, cache_salt))
         queues.append(q)
         live[rid] = None
       elif kind == "abort":
@@ -241,7 +233,7 @@ class EngineWorker:
     for ev, q in zip(batch.events, queues):
       if isinstance(ev, AddEvent):
         rid = ev.request_id
-        salt = getattr(ev, "cache_salt", None)
+        salt = ev.cache_salt
         try:
           self.engine.add_request(ev.prompt, ev.params, request_id=rid, ttft_slo=ev.ttft_slo,
                                   tbt_slo=ev.tbt_slo, **at, **({} if salt is None else {"cache_salt": salt}))
@@ -401,14 +393,6 @@ class EngineWorker:
       except Exception:  # pylint: disable=broad-except
         pass
       self._flush()
-
-
-@dataclasses.dataclass(frozen=True)
-class SaltedAddEvent(AddEvent):
-  """An ``AddEvent`` with the request's ``cache_salt``, for a single-process worker only: the wire format
-  (``parallel/events.py``) does not carry the salt, so a multi-process worker refuses salted requests at
-  ``submit`` (a salt applied on process 0 alone would change its prefix-cache hits, and so its plans)."""
-  cache_salt: Optional[str] = None
 
 
 def _put_all(batch) -> None:

@@ -85,13 +85,14 @@ def test_cache_salt_over_http_reaches_the_engine_and_usage_has_cached_tokens():
     assert m['superinfer_prefix_cache_hits_total{tier="host"}'] == 0
 
 
-def test_a_multi_process_worker_refuses_a_salt_naming_it():
-  """The engine-event broadcast does not carry the salt: process 0 refuses it rather than diverge."""
-  worker = EngineWorker(FakeEngine(), None, channel=types.SimpleNamespace(is_source=True))
-  with pytest.raises(P.APIError) as e:
-    worker.submit("r", [1], None, cache_salt="tenant-a")
-  assert e.value.status == 400 and e.value.param == "cache_salt" and e.value.code == "unsupported_parameter"
-  assert worker.num_admitted == 0
+def test_the_salt_rides_on_the_broadcast_add_event():
+  """Multi-process: the engine events broadcast to every process carry the salt, so all apply it alike."""
+  from superinfer_jax.parallel.events import AddEvent, EventBatch, decode_batch, encode_batch
+  from superinfer_jax.engine.config import SamplingParams
+  batch = EventBatch(time=1.0, events=[AddEvent("r", [1, 2], SamplingParams(), None, None, "tenant-a"),
+                                       AddEvent("s", "hi", SamplingParams())])
+  back = decode_batch(encode_batch(batch))
+  assert [e.cache_salt for e in back.events] == ["tenant-a", None]
 
 
 BS = 8
