@@ -56,8 +56,9 @@ def summarize_points(part: str, x_key: str, rows: Sequence[dict[str, Any]], metr
 def check_claims(fig, rows: dict[str, list[dict[str, Any]]], rps_scale: float = 1.0
                  ) -> list[dict[str, Any]]:
   """Each of ``fig.claims`` on every seed: ``{text, metric, op, bound, ratios: {seed: ratio}, holds_on,
-  seeds, uncontended_seeds, holds}``. ``holds`` only if the claim holds on every seed and both points
-  contended on each (a missing point or a zero denominator is a failure)."""
+  seeds, uncontended_seeds, holds}``. ``holds`` only if the claim holds on every seed and, unless the claim
+  says ``needs_contention=False``, both points contended on each (a missing point or a zero denominator is a
+  failure)."""
   out = []
   for c in fig.claims:
     part_rows = rows.get(c.part, [])
@@ -76,9 +77,10 @@ def check_claims(fig, rows: dict[str, list[dict[str, Any]]], rps_scale: float = 
       if not (a[0].get("kv_contended_steps") and b[0].get("kv_contended_steps")):
         uncontended.append(s)
     holds_on = [s for s, q in ratios.items() if q is not None and OPS[c.op](q, c.bound)]
+    needs = getattr(c, "needs_contention", True)
     out.append({"text": c.text, "part": c.part, "metric": c.metric, "op": c.op, "bound": c.bound,
                 "ratios": ratios, "seeds": seeds, "holds_on": holds_on, "uncontended_seeds": uncontended,
-                "holds": bool(seeds) and len(holds_on) == len(seeds) and not uncontended})
+                "holds": bool(seeds) and len(holds_on) == len(seeds) and not (uncontended and needs)})
   return out
 
 
