@@ -260,7 +260,7 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
     if hashes is None:
       device.release(dev[::-1])
     else:
-      nh = min(len(hashes), n)
+      nh = min(len(hashes), s.num_computed // bs)  # full, computed hashed blocks (a partial one is its own)
       if len(dev) > n:
         device.release(dev[n:])  # slots without KV: never published
       if n > nh:
@@ -306,7 +306,7 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
     ids = s.host
     n = len(ids)
     hashes = s.hashes
-    nh = 0 if hashes is None else min(len(hashes), n)
+    nh = 0 if hashes is None else min(len(hashes), s.num_computed // bs)  # as swap_out_shared parked them
     found = list(map(lookup, hashes[:nh])) if nh else []
     hits = nh - found.count(None)
     revive = len(evictable.keys() & found) if hits else 0
