@@ -18,8 +18,11 @@ Stages, in the order of what the project most needs to know (each a subprocess, 
      JAX's paged attention, GB/s, % of HBM peak.
   5. ``experiment``: ``scripts/run_experiment.py --flagfile=configs/experiments/gpu.flags`` (the contended
      experiment, real vs simulated; docs/gpu_experiment.md), each run's time limit scaled to the stage's share.
-  6. ``calibration``: ``scripts/calibrate.py`` writes a hardware profile the simulator loads; the JSON holds it.
-  7. ``startup``: ``scripts/bench_engine.py --serve_warmup``: ``scripts/serve.py``'s start-up on the model
+  6. ``multiturn``: ``scripts/run_experiment.py --flagfile=configs/experiments/multiturn.flags`` (prefix caching
+     off / device / device+host under fcfs and rotasched on multi-turn ShareGPT, real SmolLM2;
+     docs/prefix_caching.md): per arm SLO, TTFT P50 / P99, prefill tokens saved and the hit rate per tier.
+  7. ``calibration``: ``scripts/calibrate.py`` writes a hardware profile the simulator loads; the JSON holds it.
+  8. ``startup``: ``scripts/bench_engine.py --serve_warmup``: ``scripts/serve.py``'s start-up on the model
      (engine build, then every step shape in every sampling mode compiled).
 
 The deadline: ``--budget_s`` (default 420 s; 240 s on a dry run) from the script's start. Each stage gets a
@@ -54,10 +57,11 @@ from absl import app, flags
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-STAGE_ORDER = ("engine", "gpu_tests", "transfer", "attention", "experiment", "calibration", "startup")
+STAGE_ORDER = ("engine", "gpu_tests", "transfer", "attention", "experiment", "multiturn", "calibration",
+               "startup")
 # A stage's share of the time left is its weight over the weights of the stages still to run.
-STAGE_WEIGHTS = {"engine": 4, "gpu_tests": 3, "transfer": 2, "attention": 2, "experiment": 3, "calibration": 1,
-                 "startup": 1}
+STAGE_WEIGHTS = {"engine": 4, "gpu_tests": 3, "transfer": 2, "attention": 2, "experiment": 3, "multiturn": 2,
+                 "calibration": 1, "startup": 1}
 MIN_STAGE_S = 10.0   # a share below this is skipped: a stage cannot start a process and report in less
 ARCHIVE = "device_check_artifacts.tar.gz"
 RESULT = "device_check.json"
@@ -146,13 +150,15 @@ def _settings(dry: bool) -> dict:
                            "--num_device_blocks=32", "--max_num_batched_tokens=16", "--max_num_seqs=2",
                            "--token_bucket_floor=8", "--seq_bucket_floor=2"],
                 experiment=["--flagfile=configs/experiments/gpu_tiny.flags"],
+                multiturn=["--num_requests=1", "--max_turns=2", "--max_output_len=4", "--nocalibrate", "--nowarmup",
+                           "--rps=1", "--ttft_slo=60", "--tbt_slo=10", "--policies=fcfs"],
                 startup=["--num_device_blocks=64", "--max_num_batched_tokens=32", "--max_num_seqs=4",
                          "--token_bucket_floor=8"],
                 pytest=["-k", "lowering"])
   return dict(model="llama-3-8b", dtype="bfloat16", batches="1,32,64", prompt_len=256, max_tokens=32, blocks=8192,
               attention=["--context_lens=2048,8192", "--tune", "--min_time_s=0.1"],
               transfer=["--max_segment_mb=64"], table1=["--reps=3", "--naive_max_blocks=16"],
-              calibrate=["--model=llama-3-8b", "--dtype=bfloat16"], experiment=[],
+              calibrate=["--model=llama-3-8b", "--dtype=bfloat16"], experiment=[], multiturn=[],
               startup=["--num_device_blocks=8192"], pytest=[])
 
 
@@ -253,13 +259,14 @@ def stage_attention(st: Stage, s: dict, card: str) -> dict:
           "tune_table": "attention/ragged_paged_attention.json", "jax_paged_available": data.get("jax_paged_available")}
 
 
-def _experiment_runs(flagfiles: list) -> int:
-  """Timed runs of the experiment the flag files describe (its policy entries; the last --policies wins)."""
+def _experiment_runs(flagfiles: list, policies: Optional[str] = None) -> int:
+  """Timed runs of the experiment the flag files describe (its policy entries; the last --policies wins, and
+  ``policies``, a command-line override, over them)."""
   from superinfer_jax.sweep import SweepSpec  # pylint: disable=import-outside-toplevel
-  policies = None
-  for path in flagfiles:
-    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
-      policies = next((l.strip().split("=", 1)[1] for l in f if l.startswith("--policies=")), policies)
+  if policies is None:
+    for path in flagfiles:
+      with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        policies = next((l.strip().split("=", 1)[1] for l in f if l.startswith("--policies=")), policies)
   return len(SweepSpec(policies=policies).arms) if policies else 1
 
 
@@ -277,6 +284,32 @@ def stage_experiment(st: Stage, s: dict, card: str) -> dict:
   return {"output_dir": "experiment/gpu_experiment", "entries": doc.get("entries", []),
           "plots": [os.path.join("experiment/gpu_experiment", os.path.basename(p)) for p in doc.get("plots", [])],
           "run_time_limit_s": round(min(20.0, per_run))}
+
+
+MULTITURN_COLUMNS = ("policy", "num_finished", "slo_attainment", "ttft_p50_s", "ttft_p99_s", "tokens_scheduled",
+                     "prefill_tokens_saved", "prefix_device_hit_rate", "prefix_host_hit_rate", "num_rotations",
+                     "step_time_p50_s")
+
+
+def stage_multiturn(st: Stage, s: dict, card: str) -> dict:
+  """configs/experiments/multiturn.flags (tiny on a dry run): prefix caching off / device / device+host under
+  fcfs and rotasched, each run's time limit at most half the stage's share over its runs; per arm the
+  ``MULTITURN_COLUMNS`` of its results row."""
+  del card
+  flagfile = "configs/experiments/multiturn.flags"
+  override = [a for a in s["multiturn"] if a.startswith("--policies=")]
+  runs = _experiment_runs([flagfile], override[-1].split("=", 1)[1] if override else None)
+  per_run = max(1.0, 0.5 * st.seconds_left / runs)
+  out_dir = os.path.dirname(st.path("multiturn", "results.jsonl"))
+  st.run("multiturn", [sys.executable, "scripts/run_experiment.py", f"--flagfile={flagfile}"] + s["multiturn"]
+         + [f"--output_dir={out_dir}", "--noprogress", f"--time_limit_s={per_run:.0f}"])
+  rows = []
+  path = os.path.join(out_dir, "results.jsonl")
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      rows = [json.loads(line) for line in f if line.strip()]
+  return {"output_dir": "multiturn/multiturn", "run_time_limit_s": round(per_run),
+          "rows": [{k: r.get(k) for k in MULTITURN_COLUMNS} for r in rows]}
 
 
 def stage_calibration(st: Stage, s: dict, card: str) -> dict:
@@ -301,6 +334,7 @@ def stage_startup(st: Stage, s: dict, card: str) -> dict:
 
 STAGES: dict[str, Callable] = {"engine": stage_engine, "gpu_tests": stage_gpu_tests, "transfer": stage_transfer,
                                "attention": stage_attention, "experiment": stage_experiment,
+                               "multiturn": stage_multiturn,
                                "calibration": stage_calibration, "startup": stage_startup}
 
 

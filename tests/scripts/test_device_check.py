@@ -100,16 +100,17 @@ def _dry_run(out, *args, timeout):
 
 
 def test_dry_run_under_a_tiny_budget_holds_its_deadline(tmp_path):
-  """41 s for seven stages: engine gets 4/16 (just over the 10 s minimum), and the stages after it share what it
+  """46 s for eight stages: engine gets 4/18 (just over the 10 s minimum), and the stages after it share what it
   leaves; every stage ends by its limit (cut short if it must), and those whose share is too short are skipped."""
-  proc = _dry_run(tmp_path, "--budget_s=41", timeout=120)
+  proc = _dry_run(tmp_path, "--budget_s=46", timeout=120)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  assert "[device_check] budget 41 s for 7 stages" in proc.stdout
+  assert "[device_check] budget 46 s for 8 stages" in proc.stdout
   d = json.loads((tmp_path / "device_check.json").read_text())
-  assert d["dry_run"] is True and d["budget_s"] == 41 and d["elapsed_s"] < 41 + 5
+  assert d["dry_run"] is True and d["budget_s"] == 46 and d["elapsed_s"] < 46 + 5
   stages = d["stages"]
-  assert list(stages) == ["engine", "gpu_tests", "transfer", "attention", "experiment", "calibration", "startup"]
-  assert stages["engine"]["limit_s"] == pytest.approx(41 * 4 / 16, abs=0.5)
+  assert list(stages) == ["engine", "gpu_tests", "transfer", "attention", "experiment", "multiturn", "calibration",
+                          "startup"]
+  assert stages["engine"]["limit_s"] == pytest.approx(46 * 4 / 18, abs=0.5)
   for name, record in stages.items():
     assert record["seconds"] <= record["limit_s"] + 3, (name, record)
     assert record["status"] in ("finished", "cut", "skipped"), (name, record)
@@ -142,6 +143,8 @@ def test_device_check_dry_run_writes_every_stage(tmp_path):
                                                                    "ideal"]
   assert (art / d["transfer"]["table1_markdown"]).exists()
   assert len(d["experiment"]["entries"]) == 7 and all((art / p).exists() for p in d["experiment"]["plots"])
+  (row,) = d["multiturn"]["rows"]   # one conversation of two turns, caching on: turn 2 reuses turn 1's prompt
+  assert row["policy"] == "fcfs" and row["num_finished"] >= 1 and row["prefill_tokens_saved"] > 0
   for b in ("1", "2"):
     row = d["engine"]["by_batch"][b]
     assert row["engine_tok_s"] > 0 and row["transformers_tok_s"] > 0 and row["engine_ms_per_step"] > 0
