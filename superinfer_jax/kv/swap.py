@@ -113,10 +113,17 @@ def swap_out_general(queue: WriteBackQueue, req_id: ReqId, s: SeqBlocks, device:
     return None
   # The per-request columns are updated in place: replacing them would hand the allocator thousands of fresh
   # buffers per step under heavy rotation.
-  ids = s.host
   dev = s.dev
   device.release(dev)
   del dev[:]
+  _mark_swapped(s, host, block_size)
+  return moved
+
+
+def _mark_swapped(s: SeqBlocks, host: BlockPool, block_size: int) -> None:
+  """The end of a swap-out whose device blocks are gone: its logical blocks past the computed tokens are
+  dropped (their host copies released: their KV does not exist), and it is swapped out."""
+  ids = s.host
   n = blocks_for(s.num_computed, block_size)
   if n < len(ids):
     dropped = [h for h in ids[n:] if h != NO_BLOCK]
@@ -127,7 +134,6 @@ def swap_out_general(queue: WriteBackQueue, req_id: ReqId, s: SeqBlocks, device:
     del s.host_tokens[n:]
   s.num_tokens = s.num_computed
   s.on_host = True
-  return moved
 
 
 def _copy_dirty(queue: WriteBackQueue, req_id: ReqId, s: SeqBlocks, host: BlockPool, block_size: int,
@@ -268,16 +274,7 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
       if nh:
         device.release(dev[nh - 1::-1])  # its hashed blocks, tail first: findable by content
     del s.dev[:]
-    ids = s.host
-    if n < len(ids):
-      dropped = [h for h in ids[n:] if h != NO_BLOCK]
-      if dropped:
-        host.release(array(HOST_IDS, dropped))
-        s.nhost -= len(dropped)
-      del ids[n:]
-      del s.host_tokens[n:]
-    s.num_tokens = s.num_computed
-    s.on_host = True
+    _mark_swapped(s, host, bs)
     if hashes:
       nh = len(hashes)
       host_published += [(s.host[i], hashes[i], req_id, i) for i in dirty if i < nh and (i + 1) * bs <= s.num_computed]

@@ -6,12 +6,12 @@ both tiers, fewer prefill tokens); salts isolate; ``num_cached_tokens`` is repor
 import numpy as np
 import pytest
 
-from superinfer_jax.engine.config import EngineConfig, SamplingParams
+from superinfer_jax.engine.config import SamplingParams
 from superinfer_jax.engine.engine import LLMEngine
 from superinfer_jax.engine.request_book import RequestError
 from superinfer_jax.sched.policies import POLICIES
 from support.tiny_models import save_tiny_hf_model, torch_greedy
-from test_engine_utils import TickClock, random_params, tiny_config
+from test_engine_utils import TickClock, pressure_config, random_params, tiny_config
 
 BS = 4
 MAX_POS = 128
@@ -27,12 +27,7 @@ def model():
 
 
 def _config(**kw):
-  base = dict(num_device_blocks=64, num_host_blocks=256, block_size=BS, policy="fcfs",
-              max_num_batched_tokens=32, max_num_seqs=8, token_bucket_floor=32, seq_bucket_floor=8,
-              blocks_bucket_floor=MAX_POS // BS, ttft_slo=0.05, tbt_slo=0.02, proactive_swap_budget=8,
-              rotation_min_bucket=8)
-  base.update(kw)
-  return EngineConfig.create(**base)
+  return pressure_config(BS, MAX_POS, **kw)
 
 
 def _prompts(seed):

@@ -9,10 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from superinfer_jax.engine.config import EngineConfig, SamplingParams
+from superinfer_jax.engine.config import SamplingParams
 from superinfer_jax.engine.engine import LLMEngine
 from superinfer_jax.sched.policies import POLICIES
-from test_engine_utils import TickClock, random_params, tiny_config
+from test_engine_utils import TickClock, pressure_config, random_params, tiny_config
 
 pytestmark = pytest.mark.gpu   # numerics / kernels / transfers that depend on the accelerator
 
@@ -28,12 +28,7 @@ def model():
 
 
 def _config(**kw):
-  base = dict(num_device_blocks=64, num_host_blocks=256, block_size=BS, policy="fcfs",
-              max_num_batched_tokens=32, max_num_seqs=8, token_bucket_floor=32, seq_bucket_floor=8,
-              blocks_bucket_floor=MAX_POS // BS, ttft_slo=0.05, tbt_slo=0.02, proactive_swap_budget=8,
-              rotation_min_bucket=8)
-  base.update(kw)
-  return EngineConfig.create(**base)
+  return pressure_config(BS, MAX_POS, **kw)
 
 
 def _engine(model, **kw):

@@ -172,3 +172,16 @@ class TickClock:
   def now(self):
     self.t += self.dt
     return self.t
+
+
+def pressure_config(block_size=4, max_pos=128, **kw):
+  """An ``EngineConfig`` for the tiny model under KV pressure: small pools and budgets, bucket floors at their
+  maxima, SLOs in tens of milliseconds (a ``TickClock`` makes the VLT policies rotate deterministically);
+  ``kw`` overrides any setting."""
+  from superinfer_jax.engine.config import EngineConfig  # pylint: disable=import-outside-toplevel
+  base = dict(num_device_blocks=64, num_host_blocks=256, block_size=block_size, policy="fcfs",
+              max_num_batched_tokens=32, max_num_seqs=8, token_bucket_floor=32, seq_bucket_floor=8,
+              blocks_bucket_floor=max_pos // block_size, ttft_slo=0.05, tbt_slo=0.02, proactive_swap_budget=8,
+              rotation_min_bucket=8)
+  base.update(kw)
+  return EngineConfig.create(**base)
