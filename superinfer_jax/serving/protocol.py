@@ -113,8 +113,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "tbt_slo": ("both", "TBT SLO in seconds, handed to the scheduler"),
     "user": ("both", "accepted, not used (an end-user id for abuse monitoring at OpenAI)"),
     "cache_salt": ("both", f"a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters (vLLM's): only "
-                           "requests with the same salt share prefix-cached KV blocks (docs/prefix_caching.md); "
-                           "refused by a multi-process server"),
+                           "requests with the same salt share prefix-cached KV blocks (docs/prefix_caching.md)"),
     "echo": ("completion", "refused unless false"),
     "suffix": ("completion", "refused unless null or \"\""),
     "best_of": ("completion", "refused unless null or equal to n"),

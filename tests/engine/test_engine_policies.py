@@ -26,7 +26,8 @@ def model():
 def _engine(model, **kw):
   base = dict(num_device_blocks=10, num_host_blocks=64, block_size=4, policy="fcfs", max_num_batched_tokens=48,
               max_num_seqs=4, token_bucket_floor=64, seq_bucket_floor=4, blocks_bucket_floor=32, ttft_slo=0.05,
-              tbt_slo=0.02, proactive_swap_budget=8, rotation_min_bucket=8, pipeline=False)
+              tbt_slo=0.02, proactive_swap_budget=8, rotation_min_bucket=8, pipeline=False,
+              enable_prefix_caching=False)  # the hand-worked memory pressure: long0 and long1 share no blocks
   base.update(kw)
   cfg, params = model
   return LLMEngine((cfg, params, None), EngineConfig.create(**base), clock=TickClock())

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from superinfer_jax.metrics.results import read_results
+from superinfer_jax.sweep import SweepSpec, parse_policy_entry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # gpu.flags (real vs simulated, its own output layout) and its CPU-scale overlay gpu_tiny.flags are run by
@@ -49,7 +50,7 @@ def _expected_variants(path):
     for line in f:
       line = line.strip()
       if line.startswith("--policies="):
-        policies = line.split("=", 1)[1].split(",")
+        policies = [parse_policy_entry(e)[0] for e in SweepSpec(policies=line.split("=", 1)[1]).policy_entries]
       if line.startswith("--vary="):
         vary = line.split("=", 1)[1]
   n = 1
