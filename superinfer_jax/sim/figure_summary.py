@@ -53,17 +53,18 @@ def summarize_points(part: str, x_key: str, rows: Sequence[dict[str, Any]], metr
   return out
 
 
-def check_claims(fig, rows: dict[str, list[dict[str, Any]]], rps_scale: float = 1.0
+def check_claims(fig, rows: dict[str, list[dict[str, Any]]], rps_scale: float = 1.0, ignore_rps: bool = False
                  ) -> list[dict[str, Any]]:
   """Each of ``fig.claims`` on every seed: ``{text, metric, op, bound, ratios: {seed: ratio}, holds_on,
-  seeds, uncontended_seeds, holds}``. ``holds`` only if the claim holds on every seed and, unless the claim
+  seeds, uncontended_seeds, holds}``. ``ignore_rps``: the points are selected without their ``rps`` (a
+  workload whose load is set by contention has one rate per window). ``holds`` only if the claim holds on every seed and, unless the claim
   says ``needs_contention=False``, both points contended on each (a missing point or a zero denominator is a
   failure)."""
   out = []
   for c in fig.claims:
     part_rows = rows.get(c.part, [])
-    num = {k: v * rps_scale if k == "rps" else v for k, v in c.num.items()}
-    den = {k: v * rps_scale if k == "rps" else v for k, v in c.den.items()}
+    num = {k: v * rps_scale if k == "rps" else v for k, v in c.num.items() if not (ignore_rps and k == "rps")}
+    den = {k: v * rps_scale if k == "rps" else v for k, v in c.den.items() if not (ignore_rps and k == "rps")}
     seeds = sorted({r.get("seed") for r in part_rows})
     ratios: dict[Any, Optional[float]] = {}
     uncontended = []
