@@ -42,8 +42,8 @@ def check_cache_salt(cache_salt) -> None:
   if cache_salt is None:
     return
   if not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > MAX_CACHE_SALT_CHARS:
-    raise RequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
-                       f"got {cache_salt!r:.80}")
+    raise RequestError(f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                       f"characters, got {cache_salt!r:.80}")
 
 
 @dataclasses.dataclass

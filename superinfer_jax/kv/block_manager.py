@@ -517,12 +517,10 @@ class BlockManager:
     """Starts a scheduling step: the host copies of content-hashed blocks made in the last step are published
     (host tier on), those whose request still holds them clean. Their D2H copies were issued in that step, so
     every H2D copy that can read them now comes later (ordering contract 3)."""
-    pending = self._host_published
+    pending = self._host_published  # empty with the host tier off (_queue_host_published)
     if not pending:
       return
     self._host_published = []
-    if not self.host_prefix_cache:
-      return
     seqs = self.seqs
     publish = self.host.publish
     bs = self.block_size
@@ -557,10 +555,6 @@ class BlockManager:
         h += 1
     return d, h - d
 
-  def cached_prefix_blocks(self, hashes, max_blocks: int) -> int:
-    """Leading blocks of ``hashes`` (at most ``max_blocks``) whose KV is published on device now."""
-    return self.lookup_prefix(hashes, max_blocks)[0] if hashes else 0
-
   def allocate_prefix(self, req_id: ReqId, hashes: tuple, device_hits: int, host_loads: int, total_tokens: int,
                       out: PairList) -> bool:
     """Creates request ``req_id`` (unknown to the manager) covering ``total_tokens`` slots, its first
@@ -582,11 +576,10 @@ class BlockManager:
     index = dev_pool.index
     hit_dev = [index[hashes[i]] for i in range(device_hits)]
     total = blocks_for(total_tokens, bs)
-    revive = sum(1 for b in hit_dev if dev_pool.is_evictable(b))
+    revive = len(dev_pool.evictable.keys() & hit_dev)  # re-adopting an evictable block takes a free one
     if total - device_hits + revive > dev_pool.num_free:
       return False
-    for b in hit_dev:
-      dev_pool.share(b)
+    dev_pool.share_many(hit_dev)
     fresh = dev_pool.take(total - device_hits)
     s = self.seqs[req_id] = SeqBlocks()
     s.hashes = hashes

@@ -166,11 +166,7 @@ class BlockPool:
   def share(self, block: int) -> None:
     """Adds an owner to published ``block``: re-adopts it from ``evictable`` (KV intact), or counts one more
     owner of a block in use."""
-    evictable = self.evictable
-    if block in evictable:
-      del evictable[block]
-    else:
-      self.refs[block] = self.refs.get(block, 0) + 1
+    self.share_many((block,))
 
   def share_many(self, blocks) -> None:
     """``share`` for each of ``blocks`` (published, distinct)."""

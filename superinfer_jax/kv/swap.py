@@ -137,11 +137,13 @@ def _mark_swapped(s: SeqBlocks, host: BlockPool, block_size: int) -> None:
 
 
 def _copy_dirty(queue: WriteBackQueue, req_id: ReqId, s: SeqBlocks, host: BlockPool, block_size: int,
-                out: PairList) -> int | None:
-  """``swap_out_general``'s copy step: host copies for every dirty block, D2H pairs appended to ``out``, the
-  request's write-back entries dropped. Returns the number of pairs, or None (host pool too small; nothing
-  changed). Leaves the device blocks to the caller."""
-  dirty = dirty_blocks(s, block_size)
+                out: PairList, dirty: list | None = None) -> int | None:
+  """``swap_out_general``'s copy step: host copies for every dirty block (``dirty``: ``dirty_blocks(s)`` when
+  the caller has it already), D2H pairs appended to ``out``, the request's write-back entries dropped. Returns
+  the number of pairs, or None (host pool too small; nothing changed). Leaves the device blocks to the
+  caller."""
+  if dirty is None:
+    dirty = dirty_blocks(s, block_size)
   ids = s.host
   need_host = 0
   if dirty:
@@ -258,8 +260,8 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
       raise ValueError(f"request {req_id!r} is already swapped out")
     nhost = s.nhost
     hashes = s.hashes
-    dirty = dirty_blocks(s, bs) if hashes else ()
-    if _copy_dirty(queue, req_id, s, host, bs, out) is None:
+    dirty = dirty_blocks(s, bs)
+    if _copy_dirty(queue, req_id, s, host, bs, out, dirty) is None:
       break
     dev = s.dev
     n = blocks_for(s.num_computed, bs)

@@ -10,7 +10,7 @@ import math
 import uuid
 from typing import Any, Optional, Sequence
 
-from superinfer_jax.engine.request_book import MAX_CACHE_SALT_CHARS
+from superinfer_jax.engine.request_book import RequestError, check_cache_salt
 from superinfer_jax.model.sampling_params import MAX_LOGPROBS
 from superinfer_jax.serving.protocol import FIELDS, REFUSED, APIError, ParsedRequest
 
@@ -294,12 +294,13 @@ def _parse_slos(body: dict) -> dict[str, Optional[float]]:
 
 
 def _parse_cache_salt(body: dict) -> Optional[str]:
-  """``cache_salt`` (vLLM's): None, or a non-empty string of at most ``MAX_CACHE_SALT_CHARS`` characters (the
-  engine's ``check_cache_salt``, checked here so the 400 names the field)."""
+  """``cache_salt`` (vLLM's): None or a string the engine's ``check_cache_salt`` accepts, checked here so the
+  400 names the field."""
   salt = _get_str(body, "cache_salt")
-  if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
-    raise APIError(400, f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
-                        f"got {len(salt)}", param="cache_salt")
+  try:
+    check_cache_salt(salt)
+  except RequestError as e:
+    raise APIError(400, str(e), param="cache_salt") from None
   return salt
 
 

@@ -12,13 +12,15 @@ its demand does not depend on the policy's own choices.
 Search: the demand grows with the rate; starting at the window's recorded mean rate, the rate is doubled or
 halved until the target is bracketed (at most ``max_doublings`` times each way), then bisected in log space
 ``iterations`` times; the result is the bracket's end whose P99 is closest to the target (reported with its
-P99 and every probe). Each probe is one ``simulate`` of the window. Pure Python over the simulator (no JAX).
+P99 and every probe). Each probe is one ``simulate`` of the window. ``contention_summary`` gives the P50 / P99
+of a run's pool occupancy and live KV demand (the rows' contention columns). Pure Python over the simulator
+(no JAX).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Optional
 
 from superinfer_jax.sim.event_loop import simulate
 
@@ -33,9 +35,15 @@ class ContentionLoad:
   probes: list[tuple[float, float]]
 
 
-def _p99(xs) -> float:
-  xs = sorted(xs)
-  return xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))] if xs else 0.0
+def contention_summary(occupancy, kv_demand) -> dict[str, Optional[float]]:
+  """P50 / P99 over a run's plans of the device pool's occupancy and of the live KV demand (resident plus
+  queued blocks), as fractions of the pool (``SimResult``); None for a run without plans."""
+  out: dict[str, Optional[float]] = {}
+  for name, xs in (("pool_occupancy", occupancy), ("kv_demand", kv_demand)):
+    xs = sorted(xs)
+    for q in (50, 99):
+      out[f"{name}_p{q}"] = xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else None
+  return out
 
 
 def contention_rps(workload, engine_config, cost, target: float, start_rps: float, *, iterations: int = 6,
@@ -53,7 +61,7 @@ def contention_rps(workload, engine_config, cost, target: float, start_rps: floa
 
   def demand(rps: float) -> float:
     res = simulate(rescale_to_rps(workload, rps), cfg, cost, time_limit_s=time_limit_s, prefix_content="none")
-    p = _p99(res.kv_demand)
+    p = contention_summary(res.occupancy, res.kv_demand)["kv_demand_p99"] or 0.0
     probes.append((rps, p))
     return p
 

@@ -33,7 +33,7 @@ from superinfer_jax.metrics.results import RESULTS_SCHEMA, append_results_row, r
 from superinfer_jax.metrics.timeline import requests_filename, write_timelines
 from superinfer_jax.model.config import load_config
 from superinfer_jax.metrics.prefix_cache import prefix_cache_columns
-from superinfer_jax.sim.contention_load import contention_rps, load_columns
+from superinfer_jax.sim.contention_load import contention_rps, contention_summary, load_columns
 from superinfer_jax.sim.config import SimConfig, profile_name
 from superinfer_jax.sim.cost import Buckets, ModelProfile, device_pool_blocks
 from superinfer_jax.sim.event_loop import RooflineCost, derived_counters, simulate
@@ -323,17 +323,6 @@ def _row(spec: SweepSpec, setup: RunSetup, res, label: str, policy: str, variant
       rps=rps, ttft_slo_s=cfg.scheduler.ttft_slo, tbt_slo_s=cfg.scheduler.tbt_slo,
       num_rotations=c["rotations_out"], swap_out_bytes=c["swap_out_bytes"], swap_in_bytes=c["swap_in_bytes"],
       num_recompute_preemptions=c["recompute_preemptions"], duration_s=res.duration_s, extra=extra)
-
-
-def contention_summary(occupancy, kv_demand) -> dict[str, Optional[float]]:
-  """P50 / P99 over a run's plans of the device pool's occupancy and of the live KV demand (resident plus
-  queued blocks), as fractions of the pool (``SimResult``); None for a run without plans."""
-  out: dict[str, Optional[float]] = {}
-  for name, xs in (("pool_occupancy", occupancy), ("kv_demand", kv_demand)):
-    xs = sorted(xs)
-    for q in (50, 99):
-      out[f"{name}_p{q}"] = xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else None
-  return out
 
 
 def report(output_dir: str, rows) -> str:
