@@ -58,7 +58,11 @@ callgrind instructions.
 ``--shared_prefixes=K`` gives every request block hashes (prefix caching engages: its first
 ``--prefix_blocks`` blocks are one of ``K`` shared prefixes); ``--baseline_no_caching`` then times the policy
 against itself with ``enable_prefix_caching`` off on the same workload (the baseline row's policy is
-``<policy>:no_caching``): prefix caching's scheduler cost side by side.
+``<policy>:no_caching``): prefix caching's scheduler cost side by side. With shared prefixes caching changes
+the decisions (hits shorten prefills: more requests run per step), so the ratio includes that work;
+``--prefix_blocks=0`` gives every request blocks of its own (hashed, never hit): the same requests run and
+rotate as with caching off (unless a re-adopted parked group saves transfer budget), so the ratio is the
+bookkeeping alone.
 
 ``--plan_hashes`` skips the timing and prints ``{policy: {scenario: sha256}}`` for every policy over the
 replay scenarios (``sched/replay.py``; ``--hash_steps`` steps each): the plan-hash check, pinned by

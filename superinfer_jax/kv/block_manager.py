@@ -1,6 +1,7 @@
 """KV block manager: device and host block pools, per-request block tables, clean/dirty host copies.
 
-Host-side bookkeeping only (pure Python; no JAX, no numpy arrays on the hot path). It decides *which* blocks
+Host-side bookkeeping only (pure Python; no JAX; numpy only for the block pools' batched generation updates,
+one per rotation batch). It decides *which* blocks
 hold a request's KV and returns the copy lists the rotation engine (DuplexKV, ``superinfer_jax/rotation``)
 must execute; it never touches KV data itself. Copy lists are ``PairList``s (``kv/pairs.py``): sequences of
 ``(src, dst)`` block-id pairs that read like a list of 2-tuples but are stored as two int columns (``srcs``,
@@ -95,10 +96,11 @@ Prefix caching (requests created by ``allocate_prefix`` take part; docs/prefix_c
   * ``begin_step()``: publishes the last step's host copies (the scheduler calls it first in each step).
   * ``num_cached_requests``, ``prefix_cache_stats()``, ``readopted_blocks``.
   * While any block is published or shared (``BlockPool.shared``) or a cached request lives, rotation and
-    write-back take the per-request ``*_shared`` paths of ``swap.py`` / ``writeback.py``: device blocks are
-    released tail first, a rotated-out request's own blocks are parked under its id (``BlockPool.park``)
-    and a swap-in re-adopts, with no copy, those still parked and its hashed blocks still published; write-back
-    shares a published host copy.
+    write-back take the per-request ``*_shared`` paths of ``swap.py`` / ``writeback.py``: a rotated-out cached
+    request releases the leading run of its blocks others share and parks the rest, hashed ones included, on
+    the device free queue's tail under its id (``BlockPool.park``: nothing finds them while parked); a swap-in
+    re-adopts, with no copy, what the queue has not handed out yet and its shared run still published;
+    write-back shares a published host copy.
 
 Mutations:
   * ``append_slots(req_id, num_new_tokens) -> bool``: grow a resident (or new: the first call creates the
@@ -500,8 +502,9 @@ class BlockManager:
       self.host.release(array(HOST_IDS, [h for h in ids if h != NO_BLOCK]))
 
   def _free_shared(self, req_id: ReqId, s: SeqBlocks) -> None:
-    """``free`` with shared blocks: its parked blocks (a swapped-out request's) are freed, then its device and host
-    blocks released tail first (published ones stay findable, in the LRU)."""
+    """``free`` with shared blocks: a swapped-out request's parked group is forgotten (its blocks are on the free
+    queue already, never found again), a resident one's device blocks and either's host blocks released tail
+    first (published ones stay findable, in the LRU)."""
     if s.hashes is not None:
       self._ncached -= 1
       if s.on_host:
@@ -544,14 +547,14 @@ class BlockManager:
     device, then how many of the blocks after it are published on host (0 with the host tier off). Never
     changes anything."""
     n = min(max_blocks, len(hashes))
-    index = self.device.index
+    lookup = self.device.lookup
     d = 0
-    while d < n and hashes[d] in index:
+    while d < n and lookup(hashes[d]) is not None:
       d += 1
     h = d
     if self.host_prefix_cache:
-      hindex = self.host.index
-      while h < n and hashes[h] in hindex:
+      hlookup = self.host.lookup
+      while h < n and hlookup(hashes[h]) is not None:
         h += 1
     return d, h - d
 
@@ -573,8 +576,9 @@ class BlockManager:
       raise ValueError(f"allocate_prefix({req_id!r}): {hit} hit blocks for {total_tokens} tokens "
                        f"({len(hashes)} hashes)")
     dev_pool = self.device
-    index = dev_pool.index
-    hit_dev = [index[hashes[i]] for i in range(device_hits)]
+    hit_dev = [dev_pool.lookup(hashes[i]) for i in range(device_hits)]
+    if None in hit_dev:
+      raise ValueError(f"allocate_prefix({req_id!r}): a device hit is not published (stale lookup_prefix)")
     total = blocks_for(total_tokens, bs)
     revive = len(dev_pool.evictable.keys() & hit_dev)  # re-adopting an evictable block takes a free one
     if total - device_hits + revive > dev_pool.num_free:
@@ -588,9 +592,8 @@ class BlockManager:
     s.dev += fresh
     s.host += no_block_ids(total)
     s.host_tokens += [0] * total
-    hindex = self.host.index
     for i in range(device_hits, hit):
-      h = hindex[hashes[i]]
+      h = self.host.lookup(hashes[i])
       self.host.share(h)
       s.host[i] = h
       s.host_tokens[i] = bs
@@ -609,8 +612,8 @@ class BlockManager:
   def prefix_cache_stats(self) -> dict:
     """Cached blocks per tier (published), evictable ones, evictions so far, re-adopted blocks."""
     d, h = self.device, self.host
-    return {"device_cached_blocks": len(d.index), "device_evictable_blocks": len(d.evictable),
-            "device_evictions": d.evictions, "host_cached_blocks": len(h.index),
+    return {"device_cached_blocks": d.num_published, "device_evictable_blocks": len(d.evictable),
+            "device_evictions": d.evictions, "host_cached_blocks": h.num_published,
             "host_evictable_blocks": len(h.evictable), "host_evictions": h.evictions,
             "readopted_blocks": self.readopted_blocks}
 

@@ -17,14 +17,27 @@ the hash to the block and ``hash_of`` the block to its hash; ``lookup(hash)`` fi
 changes ownership. When its last owner releases a published block it goes to ``evictable`` (an LRU, oldest
 first) instead of the free queue: it stays findable, and ``share`` re-adopts it with its KV intact.
 
-Parked blocks (rotation). ``park(key, ids)`` sets aside blocks their one owner gave up (a rotated-out
-request's own, never-published blocks) as one group under ``key``; ``unpark(key)`` hands back what is left of
-the group, in the order parked, with its KV intact. Groups are oldest first in ``parked``.
+Parked blocks (rotation). ``park(key, ids)`` puts blocks their one owner gave up (a rotated-out request's
+blocks nobody else owns, in logical order) on the free queue's tail, last block first, and remembers where:
+they count as free and a ``take`` reuses them in queue order (so the group's tail first) with no work of its own.
+``unpark(key)`` takes back what the queue has not handed out yet (a leading part of ``ids``, in order, with its
+KV intact) and leaves a hole in the queue (``tombs``: absolute position ranges a take skips).
 
-Evictable and parked blocks count as free (``num_free``). A ``take`` that the free queue cannot serve evicts
-first parked blocks (the oldest group first, from its tail), then the oldest evictable blocks (unpublishing
-them), into the free queue: blocks that were never published or parked are reused first. ``evictions``
-counts evicted published blocks, ``parked_evictions`` parked ones.
+Validity (why parking costs no per-block Python). Parking and taking never touch ``index`` / ``hash_of``. A block
+is published iff it was published in its current generation: ``pubgen[b] == gen[b]`` (``pubgen`` is moved out
+of reach, ``UNPUBLISHED`` away, when its entries go: eviction, or another block taking its key while it was
+hidden). Parking a block advances its generation and unparking moves it back, so a parked block is never found,
+what its owner takes back is found again, and a block the queue hands out while parked never is under its old
+key (its new owners may park and unpark it, but its generation never returns to the one it was published in;
+``publish`` starts anew). Generations move in batches: ``park`` / ``unpark`` queue the ids, and the next read
+applies them with one numpy operation (parked blocks before anything can find them or a take hands them out;
+``lookup_many``, the swap-in batch's lookup, leaves unparked ones hidden until then). ``num_published`` counts
+the published blocks.
+
+Evictable blocks count as free (``num_free``). A ``take`` that the free queue cannot serve evicts the oldest
+evictable blocks (unpublishing them) into the free queue: blocks that were never published are reused first.
+``evictions`` counts evicted published blocks, ``parked_evictions`` parked blocks reused before their owner
+came back (counted when it does, or never if it finishes first).
 
 The free queue is FIFO: ``release`` appends to the tail, ``take`` pops the head, so the ids handed out depend
 only on the sequence of takes and releases (the scheduler's plan hashes include every id). It is an
@@ -40,15 +53,23 @@ request at a time and would otherwise pay a call per request:
 * Releasing: a caller may extend ``ids`` in place with an ``array`` of the pool's typecode (``ids += dev``),
   which is exactly ``release(dev)``.
 
-These direct paths are valid only while ``shared`` is False (nothing published, no extra owners): ``release``
-must then run per block and ``take`` may have to evict. Nothing outside this module assigns either field or
-changes ``ids`` otherwise. Never touches KV data.
+These direct paths are valid only while ``shared`` is False (nothing published, parked or with extra owners):
+``release`` must then run per block and ``take`` may have to evict or skip holes. Nothing outside this module
+assigns either field or changes ``ids`` otherwise. Never touches KV data.
 """
 from __future__ import annotations
 
+import bisect
 import collections
 from array import array
 from typing import Hashable, Iterable
+
+import numpy as np
+
+
+# ``pubgen[b]`` of a block not published: ``gen[b] ^ UNPUBLISHED`` (a generation moves by one per parking or
+# unparking, so it never reaches that value).
+UNPUBLISHED = 0x80000000
 
 
 class BlockPool:
@@ -57,17 +78,26 @@ class BlockPool:
   Attributes:
     first_id: the pool's lowest id.
     num_blocks: the pool's size (every id ``first_id .. first_id + num_blocks - 1``).
-    ids: ``array`` of the typecode given; the free queue is ``ids[head:]``, head first.
-    head: index of the free queue's head in ``ids``.
-    index: published key -> block; ``hash_of``: block -> its published key (the inverse).
+    ids: ``array`` of the typecode given; the free queue is ``ids[head:]``, head first, minus the holes
+      ``tombs`` (zeros).
+    head: index of the free queue's head in ``ids``; base: the absolute position of ``ids[0]`` (positions count
+      every id ever released, so a parked group's place survives compaction).
+    index: key -> block; ``hash_of``: block -> key. A block is published (under ``hash_of[b]``, and ``index``
+      maps that key back to it) iff ``pubgen[b] == gen[b]`` (``published``); other entries are stale.
+    num_published: blocks published.
     evictable: published blocks nobody owns, oldest first (``OrderedDict`` block -> None).
     refs: block -> owners beyond the first (only blocks with more than one owner).
     evictions: published blocks evicted so far (a ``take`` reused them).
-    parked: key -> its group of parked blocks (an ``array``), oldest group first (``OrderedDict``).
-    num_parked: blocks in ``parked``; parked_evictions: parked blocks evicted so far.
+    parked: key -> ``(start, count, num_published)``: its group's absolute queue positions ``start .. start +
+      count - 1``, and how many of its leading blocks changed generation.
+    gen, pubgen: ``array('I')`` by block id: a block's generation, and the one it was last published in.
+    tombs: sorted ``[start, end)`` absolute position ranges of unparked blocks still in ``ids`` (zeros);
+      ntomb: their total length. parked_evictions: parked blocks reused before their owner came back.
   """
-  __slots__ = ("first_id", "num_blocks", "ids", "head", "index", "hash_of", "evictable", "refs", "evictions",
-               "parked", "num_parked", "parked_evictions")
+  __slots__ = ("first_id", "num_blocks", "ids", "head", "base", "index", "hash_of", "evictable", "refs",
+               "evictions", "parked", "gen", "pubgen", "tombs", "ntomb", "parked_evictions", "num_published",
+               "_gen_np", "_pubgen_np",
+               "_pending_park", "_pending_unpark")
 
   def __init__(self, first_id: int, num_blocks: int, typecode: str):
     if num_blocks < 0:
@@ -76,24 +106,34 @@ class BlockPool:
     self.num_blocks = num_blocks
     self.ids = array(typecode, range(first_id, first_id + num_blocks))
     self.head = 0
+    self.base = 0
     self.index: dict[Hashable, int] = {}
     self.hash_of: dict[int, Hashable] = {}
     self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
     self.refs: dict[int, int] = {}
     self.evictions = 0
-    self.parked: collections.OrderedDict[Hashable, array] = collections.OrderedDict()
-    self.num_parked = 0
+    self.parked: dict[Hashable, tuple[int, int, int]] = {}
+    size = first_id + num_blocks
+    self.gen = array("I", bytes(4 * size))
+    self.pubgen = array("I", [UNPUBLISHED]) * size
+    self._gen_np = np.frombuffer(self.gen, np.uint32)  # views: batched updates of the same memory
+    self._pubgen_np = np.frombuffer(self.pubgen, np.uint32)
+    self.num_published = 0
+    self._pending_park: list[array] = []  # ids parked, their generations not advanced yet
+    self._pending_unpark: list[array] = []  # ids unparked, their generations not moved back yet
+    self.tombs: list[list[int]] = []
+    self.ntomb = 0
     self.parked_evictions = 0
 
   @property
   def num_free(self) -> int:
-    """Blocks a ``take`` can hand out: the free queue plus the evictable and parked blocks."""
-    return len(self.ids) - self.head + len(self.evictable) + self.num_parked
+    """Blocks a ``take`` can hand out: the free queue (parked blocks included) plus the evictable blocks."""
+    return len(self.ids) - self.head - self.ntomb + len(self.evictable)
 
   @property
   def shared(self) -> bool:
     """Some block is published, parked or has more than one owner (the direct ``ids`` paths are off)."""
-    return bool(self.hash_of) or bool(self.refs) or bool(self.num_parked)
+    return bool(self.hash_of) or bool(self.refs) or bool(self.parked) or bool(self.ntomb)
 
   def usage(self) -> float:
     """Used fraction in [0, 1]; an empty pool counts as full (1.0)."""
@@ -102,20 +142,53 @@ class BlockPool:
     return 1.0 - self.num_free / self.num_blocks
 
   def take(self, n: int) -> array | None:
-    """Pops the ``n`` head ids of the free queue (a fresh array, head first); None, changing nothing, if
-    fewer than ``n`` are free (so a caller checks and takes with one call)."""
+    """Pops the ``n`` head ids of the free queue (a fresh array, head first), skipping holes; None, changing
+    nothing, if fewer than ``n`` are free (so a caller checks and takes with one call)."""
     ids = self.ids
     head = self.head
-    end = head + n
-    if end > len(ids) or n < 0:
-      if n < 0 or end > len(ids) + len(self.evictable) + self.num_parked:
-        return None
-      self._evict(end - len(ids))
-    out = ids[head:end]
+    if n < 0 or n > len(ids) - head - self.ntomb + len(self.evictable):
+      return None
+    if self._pending_park:  # parked blocks change generation before they can change hands (and park again)
+      self._apply_generations()
+    short = n - (len(ids) - head - self.ntomb)
+    if short > 0:
+      self._evict(short)
+    if self.ntomb:
+      out = self._take_around_holes(n)
+    else:
+      end = head + n
+      out = ids[head:end]
+      self.head = end
+    end = self.head
     if end + end >= len(ids):  # the consumed prefix is at least half: compact
       del ids[:end]
-      end = 0
-    self.head = end
+      self.base += end
+      self.head = 0
+    return out
+
+  def _take_around_holes(self, n: int) -> array:
+    """``take``'s gather when the queue has holes: the next ``n`` ids past ``head`` that are not in ``tombs``."""
+    ids = self.ids
+    tombs = self.tombs
+    base = self.base
+    out = array(ids.typecode)
+    head = self.head
+    while n:
+      pos = base + head
+      if tombs and tombs[0][0] <= pos:
+        t0, t1 = tombs.pop(0)
+        self.ntomb -= t1 - t0
+        head = t1 - base
+        continue
+      stop = head + n if not tombs else min(head + n, tombs[0][0] - base)
+      out += ids[head:stop]
+      n -= stop - head
+      head = stop
+    if tombs and tombs[0][0] <= base + head:  # a hole right at the new head: skip it now
+      t0, t1 = tombs.pop(0)
+      self.ntomb -= t1 - t0
+      head = t1 - base
+    self.head = head
     return out
 
   def consume(self, n: int) -> None:
@@ -134,9 +207,11 @@ class BlockPool:
       self.ids += ids if type(ids) is array else array(self.ids.typecode, ids)
       return
     refs = self.refs
-    hash_of = self.hash_of
     evictable = self.evictable
     free = self.ids
+    gen = self.gen
+    pubgen = self.pubgen
+    queued = self._pending_park or self._pending_unpark
     for b in ids:
       r = refs.get(b)
       if r is not None:
@@ -144,24 +219,101 @@ class BlockPool:
           del refs[b]
         else:
           refs[b] = r - 1
-      elif b in hash_of:
+        continue
+      if queued:  # (applied only once a block without extra owners needs its published state)
+        self._apply_generations()
+        queued = False
+      if pubgen[b] == gen[b]:  # published
         evictable[b] = None
       else:
         free.append(b)
 
+  def release_shared_run(self, ids: array) -> int:
+    """Gives up one owner of each leading block of ``ids`` that has more than one (a rotated-out request's run of
+    blocks others share: they keep them) and returns how many; stops at the first block with one owner."""
+    refs = self.refs
+    k = 0
+    for b in ids:
+      r = refs.get(b)
+      if r is None:
+        break
+      if r == 1:
+        del refs[b]
+      else:
+        refs[b] = r - 1
+      k += 1
+    return k
+
   # ------------------------------------------------------------------------------------------ cached blocks
   def lookup(self, key: Hashable) -> int | None:
     """The block published under ``key``, or None."""
-    return self.index.get(key)
+    if self._pending_park or self._pending_unpark:
+      self._apply_generations()
+    b = self.index.get(key)
+    if b is None or self.pubgen[b] != self.gen[b]:
+      return None
+    return b
+
+  def lookup_many(self, keys) -> list:
+    """``lookup`` of each of ``keys``, in order (a list of blocks or None), except that blocks unparked since the
+    last generation update stay hidden (a rotation batch's swap-ins look up with one update at its end)."""
+    if self._pending_park:
+      self._apply_generations()
+    found = list(map(self.index.get, keys))
+    gen = self.gen
+    pubgen = self.pubgen
+    return [b if b is not None and pubgen[b] == gen[b] else None for b in found]
+
+  def published(self, block: int) -> bool:
+    """``block`` is published (under ``hash_of[block]``; module docstring)."""
+    if self._pending_park or self._pending_unpark:
+      self._apply_generations()
+    return self.pubgen[block] == self.gen[block]
+
+  def published_items(self) -> dict:
+    """Every published key -> block (a fresh dict; O(entries): for stats, tests and debug)."""
+    return {k: b for k, b in self.index.items() if self.published(b)}
 
   def publish(self, block: int, key: Hashable) -> bool:
     """Makes owned ``block`` findable under ``key``. False (no change) if ``key`` is published already
     (another block has that content) or ``block`` is published under another key."""
-    if key in self.index or block in self.hash_of:
-      return False
-    self.index[key] = block
+    if self._pending_park or self._pending_unpark:
+      self._apply_generations()
+    index = self.index
+    gen = self.gen
+    pubgen = self.pubgen
+    if pubgen[block] == gen[block]:
+      return False  # published under another key
+    other = index.get(key)
+    if other is not None:
+      if pubgen[other] == gen[other]:
+        return False  # another block has that content
+      pubgen[other] = gen[other] ^ UNPUBLISHED  # hidden (parked) and superseded: never found under key again
+    old = self.hash_of.get(block)
+    if old is not None and index.get(old) == block:  # a stale entry of an earlier generation
+      del index[old]
+    index[key] = block
     self.hash_of[block] = key
+    pubgen[block] = gen[block]
+    self.num_published += 1
     return True
+
+  def _apply_generations(self) -> None:
+    """Applies the queued generation moves (at most one kind is queued: ``park`` and ``unpark`` apply the other
+    first): parked ids advance, unparked ids move back. No id is queued twice (a take applies queued parks
+    before it can hand a parked block out to be parked again)."""
+    gen = self._gen_np
+    pubgen = self._pubgen_np
+    for pending, advance in ((self._pending_park, True), (self._pending_unpark, False)):
+      if pending:
+        idx = np.frombuffer(b"".join(pending), np.dtype(pending[0].typecode)).astype(np.intp)
+        pending.clear()
+        if advance:
+          self.num_published -= int(np.count_nonzero(pubgen[idx] == gen[idx]))
+          gen[idx] += np.uint32(1)
+        else:
+          gen[idx] -= np.uint32(1)
+          self.num_published += int(np.count_nonzero(pubgen[idx] == gen[idx]))
 
   def share(self, block: int) -> None:
     """Adds an owner to published ``block``: re-adopts it from ``evictable`` (KV intact), or counts one more
@@ -181,93 +333,141 @@ class BlockPool:
   def is_evictable(self, block: int) -> bool:
     return block in self.evictable
 
-  def park(self, key: Hashable, ids: array) -> None:
-    """Sets aside ``ids`` (an ``array`` of the pool's typecode, taken over), blocks their one owner gave up and
-    nobody else owns or finds, as the group ``key`` (module docstring). ``key`` must not be parked already."""
+  def park(self, key: Hashable, ids: array, num_published: int | None = None) -> None:
+    """Puts ``ids`` (an ``array`` of the pool's typecode, in logical order; taken over: the caller must not change
+    it), blocks their one owner gave up and nobody else owns, on the free queue's tail as the group ``key``, last
+    block first (module docstring). Its first ``num_published`` blocks (default: all), those its owner may have
+    published, move to a new generation; the others were never published in theirs (nothing finds them).
+    ``key`` must not be parked already."""
     if key in self.parked:
       raise ValueError(f"park: {key!r} is parked already")
     if ids:
-      self.parked[key] = ids
-      self.num_parked += len(ids)
+      if self._pending_unpark:
+        self._apply_generations()
+      free = self.ids
+      npub = len(ids) if num_published is None else max(0, min(num_published, len(ids)))
+      self.parked[key] = (self.base + len(free), len(ids), npub)
+      free += ids[::-1]
+      if npub:
+        self._pending_park.append(ids if npub == len(ids) else ids[:npub])
 
   def parked_count(self, key: Hashable) -> int:
-    """Blocks of group ``key`` still parked (0 if none)."""
+    """Blocks of group ``key`` the free queue has not handed out yet (0 if none)."""
     g = self.parked.get(key)
-    return 0 if g is None else len(g)
+    return 0 if g is None else self.parked_count_of(g[0], g[1])
 
   def unpark(self, key: Hashable) -> array:
-    """What is left of group ``key`` (a prefix of the ids parked, in order; evictions take its tail), now
-    owned by the caller again; an empty array if nothing is left."""
+    """What is left of group ``key`` (a prefix of the ids parked, in order; the queue hands out its tail first),
+    now owned by the caller again (found again if published before parking); an empty array if nothing is
+    left."""
     g = self.parked.pop(key, None)
     if g is None:
       return array(self.ids.typecode)
-    self.num_parked -= len(g)
-    return g
+    start, m, npub = g
+    k = self.parked_count_of(start, m)
+    self.parked_evictions += m - k
+    if not k:
+      return array(self.ids.typecode)
+    if self._pending_park:
+      self._apply_generations()
+    ids = self.ids
+    lo = start + m - k - self.base
+    hi = start + m - self.base
+    out = ids[lo:hi][::-1]
+    if lo == self.head and not (self.tombs and self.tombs[0][0] == hi + self.base):
+      self.head = hi  # what is left starts at the head: the queue simply moves past it
+    else:
+      ids[lo:hi] = array(ids.typecode, bytes(ids.itemsize * k))  # a hole: take skips it (tombs)
+      bisect.insort(self.tombs, [lo + self.base, hi + self.base])
+      self.ntomb += k
+    if npub:
+      self._pending_unpark.append(out[:npub])  # (a copy)
+    return out
+
+  def parked_count_of(self, start: int, m: int) -> int:
+    """Of ``m`` blocks parked from absolute position ``start``, those the free queue has not handed out."""
+    left = start + m - self.base - self.head
+    return m if left > m else (left if left > 0 else 0)
 
   def drop_parked(self, key: Hashable) -> None:
-    """Frees what is left of group ``key`` (to the free queue's tail)."""
-    self.ids += self.unpark(key)
+    """Forgets group ``key``: what is left of it stays on the free queue, in its parked generation (never found)."""
+    self.parked.pop(key, None)
+
+  def parked_blocks(self, key: Hashable) -> array:
+    """What ``unpark(key)`` would hand back, changing nothing (for tests and debug)."""
+    g = self.parked.get(key)
+    if g is None:
+      return array(self.ids.typecode)
+    start, m, _ = g
+    k = self.parked_count_of(start, m)
+    return self.ids[start + m - k - self.base:start + m - self.base][::-1]
 
   def owners(self, block: int) -> int:
     """Owners of a block known to be owned (1 + ``refs``)."""
     return 1 + self.refs.get(block, 0)
 
   def _evict(self, n: int) -> None:
-    """Moves ``n`` blocks to the free queue's tail: parked ones first (oldest group, from its tail), then the
-    oldest evictable ones, unpublished."""
-    free = self.ids
-    parked = self.parked
-    while n and parked:
-      key, g = next(iter(parked.items()))
-      k = n if n < len(g) else len(g)
-      free += g[len(g) - k:][::-1]
-      del g[len(g) - k:]
-      if not g:
-        del parked[key]
-      self.num_parked -= k
-      self.parked_evictions += k
-      n -= k
-    if not n:
-      return
+    """Moves the ``n`` oldest evictable blocks to the free queue's tail, unpublished."""
     evictable = self.evictable
     hash_of = self.hash_of
     index = self.index
+    free = self.ids
+    pubgen = self.pubgen
+    gen = self.gen
     for _ in range(n):
       b = evictable.popitem(last=False)[0]
       del index[hash_of.pop(b)]
+      pubgen[b] = gen[b] ^ UNPUBLISHED
       free.append(b)
     self.evictions += n
+    self.num_published -= n
 
   def free_ids(self) -> list[int]:
-    """The free queue, head first (a copy; for tests and debug)."""
-    return self.ids[self.head:].tolist()
+    """The free queue, head first, without its holes (a copy; for tests and debug)."""
+    out = []
+    pos = self.head
+    for t0, t1 in self.tombs:
+      out += self.ids[pos:t0 - self.base].tolist()
+      pos = t1 - self.base
+    return out + self.ids[pos:].tolist()
 
   def check(self) -> None:
     """Raises AssertionError if the free queue is malformed (head out of range, an id outside the pool's
-    range, an id queued twice) or the cache's maps disagree (``index`` / ``hash_of`` not inverse, an
-    evictable block unpublished or on the free queue, extra owners of a free block, a parked block also
-    free, evictable, published or shared, ``num_parked`` off). O(num_blocks); for tests and debug."""
-    assert 0 <= self.head <= len(self.ids), f"free-queue head {self.head} of {len(self.ids)}"
+    range, an id queued twice, holes that are not zeros past the head) or the cache's maps disagree (an
+    ``index`` entry ``hash_of`` does not confirm, a published block whose entries disagree, ``num_published``
+    off, an evictable block unpublished or on the free queue, extra
+    owners of a free block, a published free block, a parked block not on the free queue, published, or in
+    two groups). O(num_blocks); for tests and debug."""
+    self._apply_generations()
+    ids, head, base = self.ids, self.head, self.base
+    assert 0 <= head <= len(ids), f"free-queue head {head} of {len(ids)}"
     free = self.free_ids()
     assert len(set(free)) == len(free), "free queue has duplicates"
-    assert len(self.index) == len(self.hash_of), "index and hash_of differ in size"
-    for key, b in self.index.items():
-      assert self.hash_of.get(b) == key, f"block {b} indexed under {key!r} but hash_of says {self.hash_of.get(b)!r}"
-    fset = set(free)
-    for b in self.evictable:
-      assert b in self.hash_of, f"evictable block {b} is not published"
-      assert b not in fset, f"evictable block {b} is on the free queue"
-      assert b not in self.refs, f"evictable block {b} has extra owners"
-    for b in fset:
-      assert b not in self.hash_of, f"free block {b} is still published"
-      assert b not in self.refs, f"free block {b} has extra owners"
-    assert all(r >= 1 for r in self.refs.values()), "a refs entry below 1"
-    parked = [b for g in self.parked.values() for b in g]
-    assert len(parked) == self.num_parked, f"num_parked {self.num_parked} != {len(parked)}"
-    assert len(set(parked)) == len(parked), "a block parked twice"
-    for b in parked:
-      assert b not in fset and b not in self.evictable, f"parked block {b} is also free or evictable"
-      assert b not in self.hash_of and b not in self.refs, f"parked block {b} is published or shared"
     lo, hi = self.first_id, self.first_id + self.num_blocks
     bad = [b for b in free if not lo <= b < hi]
     assert not bad, f"free queue holds ids {bad[:8]} outside [{lo}, {hi})"
+    for key, b in self.index.items():
+      assert self.hash_of.get(b) == key, f"block {b} indexed under {key!r} but hash_of says {self.hash_of.get(b)!r}"
+    published = [b for b in range(lo, hi) if self.published(b)]
+    assert len(published) == self.num_published, f"num_published {self.num_published} != {len(published)}"
+    for b in published:
+      assert self.index.get(self.hash_of.get(b)) == b, f"published block {b}: its entries disagree"
+    end = base + head
+    for t0, t1 in self.tombs:
+      assert end <= t0 < t1 <= base + len(ids), f"hole [{t0}, {t1}) outside the queue or overlapping"
+      assert not any(ids[t0 - base:t1 - base]), f"hole [{t0}, {t1}) holds ids"
+      end = t1
+    assert self.ntomb == sum(t1 - t0 for t0, t1 in self.tombs), "ntomb differs from the holes"
+    fset = set(free)
+    for b in self.evictable:
+      assert self.published(b), f"evictable block {b} is not published"
+      assert b not in fset, f"evictable block {b} is on the free queue"
+      assert b not in self.refs, f"evictable block {b} has extra owners"
+    for b in fset:
+      assert not self.published(b), f"free block {b} is still published"
+      assert b not in self.refs, f"free block {b} has extra owners"
+    assert all(r >= 1 for r in self.refs.values()), "a refs entry below 1"
+    parked = [b for key in self.parked for b in self.parked_blocks(key)]
+    assert len(set(parked)) == len(parked), "a block parked twice"
+    for b in parked:
+      assert b in fset and not self.published(b), f"parked block {b} is not on the free queue, or published"

@@ -40,7 +40,8 @@ def extend_column(col, pieces: list, typecode: str) -> None:
 class SeqBlocks:
   """One request's logical blocks (parallel columns, indexed by logical block; ``dev`` is empty while the
   request is swapped out, so ``len(host)`` is the block count in both states)."""
-  __slots__ = ("dev", "host", "host_tokens", "num_tokens", "num_computed", "on_host", "nwb", "nhost", "hashes")
+  __slots__ = ("dev", "host", "host_tokens", "num_tokens", "num_computed", "on_host", "nwb", "nhost", "hashes",
+               "park_start")
 
   def __init__(self):
     self.dev = array(DEV_IDS)  # device block ids
@@ -54,6 +55,7 @@ class SeqBlocks:
     # Content hashes of its full prompt blocks (``kv/prefix_hash.py``), or None: the request takes no part in
     # prefix caching (nothing of it is published, looked up or re-adopted).
     self.hashes: tuple | None = None
+    self.park_start = 0  # swapped out with prefix caching: its first logical block parked (kv/swap.py)
 
 
 def computed_in_block(s: SeqBlocks, i: int, block_size: int) -> int:

@@ -27,8 +27,7 @@ def check_invariants(bm) -> None:
 def _check_published(bm) -> None:
   """Prefix caching: a published block holds what its key says. A device block published under a content hash
   and owned is full and computed for an owner whose hash it is; a published host block owned by a request is a
-  clean full copy of a block of that hash (parked blocks are checked with the free lists: they belong to
-  swapped-out requests)."""
+  clean full copy of a block of that hash (parked blocks are not published: they sit on the free queue)."""
   bs = bm.block_size
   written = {}  # device block -> content hashes of owners that have it full and computed
   host_clean = {}
@@ -40,11 +39,11 @@ def _check_published(bm) -> None:
       if s.host[i] != NO_BLOCK and s.host_tokens[i] == bs:
         host_clean.setdefault(s.host[i], set()).add(hashes[i])
   dev = bm.device
-  for key, b in dev.index.items():
+  for key, b in dev.published_items().items():
     if not dev.is_evictable(b):
       assert key in written.get(b, ()), f"device block {b} published before an owner of that hash computed it"
   host = bm.host
-  for key, h in host.index.items():
+  for key, h in host.published_items().items():
     if not host.is_evictable(h):
       assert key in host_clean.get(h, ()), f"host block {h} published without a clean copy of that hash"
 
@@ -108,7 +107,7 @@ def _check_free_lists(bm, dev_owners: list[int], host_owners: list[int]) -> None
     for key in pool.parked:
       s = bm.seqs.get(key)
       assert name == "device" and s is not None and s.on_host, f"{name} blocks parked for {key!r}, not swapped out"
-      free |= set(pool.parked[key])
+      assert set(pool.parked_blocks(key)) <= free, f"{name} blocks parked for {key!r} are not free"
     for b in range(lo, len(owners)):
       n = owners[b]
       assert (b in free) == (n == 0), f"{name} block {b}: free={b in free}, owners={n}"

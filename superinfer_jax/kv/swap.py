@@ -244,84 +244,129 @@ def swap_in_many(seqs: dict, device: BlockPool, block_size: int, req_ids, num_ne
 
 def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: WriteBackQueue, block_size: int,
                     req_ids, out: PairList, host_published: list) -> tuple[int, int, int]:
-  """``swap_out_many`` with shared blocks: the same moves and copies. The device blocks are released tail first;
-  for a request taking part in prefix caching (``SeqBlocks.hashes`` not None), its computed blocks past its
-  prompt's hashed blocks (its own, never published) are parked under its id instead (``BlockPool.park``), so
-  that ``swap_in_shared`` re-adopts those still parked; its hashed blocks stay findable by content. Host copies
-  made clean by the swap-out whose block has a content hash are appended to ``host_published`` as ``(host id,
-  hash, req_id, logical block)`` (the block manager publishes them a step later: ordering). Returns ``(k,
-  pairs, mirrors)`` as ``swap_out_many``."""
-  start = len(out.srcs)
+  """``swap_out_many`` with shared blocks: the same moves and copies (the same shortcuts, ``_fast_block``, with
+  host blocks taken through ``host.take``, which may evict). Device blocks: a request taking no part in prefix
+  caching (``SeqBlocks.hashes`` None) releases its blocks, tail first (nobody else owns or finds them). One
+  that takes part releases the leading run of its blocks that others share (they keep them) and parks the rest,
+  its alone, as one group under its id (``BlockPool.park``; its published blocks there stay published, not
+  findable while parked), so that ``swap_in_shared`` re-adopts what is still parked; ``SeqBlocks.park_start``
+  is the group's first logical block. Should a block others share come after its first own block (a hash
+  published first by a third request), its hashed blocks are released one by one (published ones stay
+  findable by content) and only the blocks after them parked. Host copies made clean by the swap-out whose
+  block has a content hash are appended to ``host_published`` as ``(host id, hash, req_id, logical block)``
+  (the block manager publishes them a step later: ordering). Returns ``(k, pairs, mirrors)`` as
+  ``swap_out_many``."""
+  srcs = out.srcs
+  dsts = out.dsts
+  start = len(srcs)
   done = mirrors = 0
   bs = block_size
+  refs = device.refs
   for req_id in req_ids:
     s = seqs[req_id]
     if s.on_host:
       raise ValueError(f"request {req_id!r} is already swapped out")
     nhost = s.nhost
     hashes = s.hashes
-    dirty = dirty_blocks(s, bs)
-    if _copy_dirty(queue, req_id, s, host, bs, out, dirty) is None:
-      break
+    i = _fast_block(queue, req_id, s, bs)
+    if i is None:
+      dirty = dirty_blocks(s, bs)
+      if _copy_dirty(queue, req_id, s, host, bs, out, dirty) is None:
+        break
+      n = blocks_for(s.num_computed, bs)
+      dev = s.dev
+      if len(dev) > n:
+        device.release(dev[n:])  # slots without KV: never published or shared
+        del dev[n:]
+      _mark_swapped(s, host, bs)
+      if hashes:
+        nh = len(hashes)
+        host_published += [(s.host[j], hashes[j], req_id, j) for j in dirty
+                           if j < nh and (j + 1) * bs <= s.num_computed]
+    else:
+      if i >= 0:
+        ids = s.host
+        h = ids[i]
+        if h == NO_BLOCK:
+          got = host.take(1)
+          if got is None:
+            break
+          h = ids[i] = got[0]
+          s.nhost += 1
+        if s.nwb:  # the block boundary case: its one queue entry is this block
+          queue.remove(req_id, s, i)
+        c = s.host_tokens[i] = s.num_computed - i * bs
+        srcs.append(s.dev[i])
+        dsts.append(h)
+        if c == bs and hashes and i < len(hashes):
+          host_published.append((h, hashes[i], req_id, i))
+      s.num_tokens = s.num_computed
+      s.on_host = True
     dev = s.dev
-    n = blocks_for(s.num_computed, bs)
     if hashes is None:
       device.release(dev[::-1])
     else:
-      nh = min(len(hashes), s.num_computed // bs)  # full, computed hashed blocks (a partial one is its own)
-      if len(dev) > n:
-        device.release(dev[n:])  # slots without KV: never published
-      if n > nh:
-        device.park(req_id, dev[nh:n])  # its own blocks: re-adopted by its swap-in while still parked
-      if nh:
-        device.release(dev[nh - 1::-1])  # its hashed blocks, tail first: findable by content
-    del s.dev[:]
-    _mark_swapped(s, host, bs)
-    if hashes:
-      nh = len(hashes)
-      host_published += [(s.host[i], hashes[i], req_id, i) for i in dirty if i < nh and (i + 1) * bs <= s.num_computed]
+      n = len(dev)
+      k = device.release_shared_run(dev) if refs else 0  # others keep them
+      if k < n and refs and not refs.keys().isdisjoint(dev[k:]):
+        nh = max(k, min(len(hashes), s.num_computed // bs))  # its full, computed hashed blocks: released one by one
+        device.release(dev[nh - 1:k - 1 if k else None:-1])  # (tail first)
+        k = nh
+      if n > k:  # its hashed blocks may be published (they change generation: not found while parked)
+        device.park(req_id, dev[k:], min(len(hashes), s.num_computed // bs) - k)
+      s.park_start = k
+    del dev[:]
     mirrors += nhost
     done += 1
-  return done, len(out.srcs) - start, -mirrors
+  return done, len(srcs) - start, -mirrors
 
 
 def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_new_tokens: int,
                    out: PairList) -> tuple[list[array], int, int]:
-  """``swap_in_many`` with shared blocks. A logical block whose KV is still on device (its hashed prompt blocks
-  published by content; its own blocks still parked under its id) is re-adopted with no copy; the others get a
-  fresh block and an H2D pair. All-or-nothing per request, in order, stopping at the first the device pool
+  """``swap_in_many`` with shared blocks. A logical block whose KV is still on device (before
+  ``SeqBlocks.park_start``: published under its hash, found by ``lookup_many``; from there: still parked under
+  its id, not yet handed out by the free queue) is re-adopted with no copy; the others get a fresh block and an
+  H2D pair. All-or-nothing per request, in order, stopping at the first the device pool
   cannot take. Returns ``(tables, mirrors, readopted)``: as ``swap_in_many``, plus the blocks re-adopted."""
   if num_new_tokens < 0:
     raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
   bs = block_size
   tables = []
   mirrors = readopted = 0
-  lookup = device.index.get
+  lookup_many = device.lookup_many
   evictable = device.evictable
+  parked_groups = device.parked
+  srcs = out.srcs
+  dsts = out.dsts
   for req_id in req_ids:
     s = seqs[req_id]
     if not s.on_host:
       raise ValueError(f"request {req_id!r} is not swapped out")
     ids = s.host
     n = len(ids)
-    hashes = s.hashes
-    nh = 0 if hashes is None else min(len(hashes), s.num_computed // bs)  # as swap_out_shared parked them
-    found = list(map(lookup, hashes[:nh])) if nh else []
-    hits = nh - found.count(None)
-    revive = len(evictable.keys() & found) if hits else 0
-    npark = device.parked_count(req_id)
-    total = blocks_for(s.num_tokens + num_new_tokens, bs)
+    nh = 0 if s.hashes is None else s.park_start  # its blocks before its parked group: found by content
+    if nh:
+      found = lookup_many(s.hashes[:nh])
+      hits = nh - found.count(None)
+      revive = len(evictable.keys() & found) if hits else 0
+    else:
+      hits = revive = 0
+    npark = device.parked_count(req_id) if req_id in parked_groups else 0
+    total = (s.num_tokens + num_new_tokens + bs - 1) // bs  # blocks_for (kv/layout.py), inline
     fresh_n = total - hits - npark
     if fresh_n + revive + npark > device.num_free:
       break
     if hits:
       device.share_many(found if hits == nh else [b for b in found if b is not None])
-    parked = device.unpark(req_id) if npark else None
+    if req_id in parked_groups:  # (forgets the group even when the queue handed all of it out)
+      group = device.unpark(req_id)
     fresh = device.take(fresh_n)
-    srcs = out.srcs
-    dsts = out.dsts
-    if hits == nh:  # the usual case: every hashed block found (or none hashed)
-      devs = array(DEV_IDS, found) if nh else array(DEV_IDS)
+    if not nh:
+      devs = group if npark else array(DEV_IDS)
+    elif hits == nh:  # every hashed block found
+      devs = array(DEV_IDS, found)
+      if npark:
+        devs += group
     else:
       devs = array(DEV_IDS, [0]) * nh
       k = 0
@@ -333,8 +378,8 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
           dsts.append(b)
         devs[i] = b
       fresh = fresh[k:]
-    if npark:
-      devs += parked
+      if npark:
+        devs += group
     m = n - len(devs)  # the rest of its blocks: copied into fresh ones
     if m > 0:
       srcs += ids[len(devs):n]

@@ -142,9 +142,10 @@ def take_writebacks_shared(queue: WriteBackQueue, seqs: dict, host: BlockPool, b
   """``take_writebacks`` when the host pool has published or shared blocks: the same order and limits, with
   two differences. A queued block whose content hash is published on host already (another request's copy,
   or an evictable one) shares that copy: it is clean at once, with no pair. And each host copy made for a
-  block with a content hash is appended to ``host_published`` as ``(host id, hash, req_id, logical block)`` (published a step
-  later: ordering). Host blocks come through ``host.take`` (evicting the oldest evictable copies when the
-  free queue is short). Returns ``(pairs, mirrors)``: the host blocks that became mirrors."""
+  block with a content hash is appended to ``host_published`` as ``(host id, hash, req_id, logical block)``
+  (published a step later: ordering). Fresh host blocks come off the free queue's head, then through
+  ``host.take`` (evicting the oldest evictable copies) once it runs dry. Returns ``(pairs, mirrors)``: the host
+  blocks that became mirrors."""
   srcs: list[int] = []
   dsts: list[int] = []
   out = PairList.from_columns(srcs, dsts)
@@ -154,9 +155,14 @@ def take_writebacks_shared(queue: WriteBackQueue, seqs: dict, host: BlockPool, b
     return out, 0
   bs = block_size
   avail = host.num_free - min_free_host
-  lookup = host.index.get
+  lookup = host.lookup
   mirrors = 0
   done = []
+  # Fresh host blocks are read off the free queue's head and consumed at the end (BlockPool's contract; a host
+  # pool never parks, so its queue has no holes); only when the queue runs dry does ``take`` evict.
+  hfree = host.ids
+  hpos = host.head
+  direct = not host.ntomb
   for key in wb:
     req_id, i = key
     s = seqs[req_id]
@@ -178,7 +184,15 @@ def take_writebacks_shared(queue: WriteBackQueue, seqs: dict, host: BlockPool, b
         if avail <= 0:
           break
         avail -= 1
-        h = s.host[i] = host.take(1)[0]
+        if direct and hpos < len(hfree):
+          h = hfree[hpos]
+          hpos += 1
+        else:
+          host.consume(hpos - host.head)
+          h = host.take(1)[0]
+          hfree = host.ids
+          hpos = host.head
+        s.host[i] = h
         s.nhost += 1
         mirrors += 1
       srcs.append(s.dev[i])
@@ -190,6 +204,7 @@ def take_writebacks_shared(queue: WriteBackQueue, seqs: dict, host: BlockPool, b
     s.host_tokens[i] = bs
     if len(srcs) >= limit:
       break
+  host.consume(hpos - host.head)
   for key in done:
     del wb[key]
   return out, mirrors

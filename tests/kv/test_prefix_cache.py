@@ -32,7 +32,8 @@ def test_lru_order_and_never_published_blocks_first():
   assert got.tolist() == [5, 6, 3]
   assert p.lookup("y") is None and p.lookup("x") == 2 and p.evictions == 1
   assert p.take(3) is None          # 2 left (4, 2): all-or-nothing
-  assert p.take(2).tolist() == [4, 2] and p.evictions == 3 and p.index == {"w": 1}  # the re-adopted one stays
+  assert p.take(2).tolist() == [4, 2] and p.evictions == 3
+  assert p.published_items() == {"w": 1}  # the re-adopted one stays
   p.check()
 
 
@@ -48,6 +49,54 @@ def test_shared_block_freed_only_by_its_last_owner():
   assert p.owners(b) == 1 and b not in p.evictable and p.num_free == 2
   p.release([b])
   assert b in p.evictable and p.num_free == 3
+  p.check()
+
+
+def test_parked_group_sits_on_the_free_queue_tail_first_and_unparks_what_is_left():
+  p = _pool(8)
+  a = p.take(4)                      # blocks 1..4, logical order
+  for b, key in zip(a[:3], "abc"):
+    p.publish(b, key)
+  p.park("r", a, 3)                  # 3 published blocks change generation; block 4 was never published
+  assert p.free_ids() == [5, 6, 7, 8, 4, 3, 2, 1] and p.num_free == 8
+  assert p.lookup("a") is None and p.lookup("c") is None and p.parked_count("r") == 4  # parked: not found
+  assert p.take(5).tolist() == [5, 6, 7, 8, 4]   # the queue reaches the group's tail first
+  assert p.parked_count("r") == 3
+  assert p.unpark("r").tolist() == [1, 2, 3]     # what is left: a leading part, in order
+  assert p.lookup("a") == 1 and p.lookup("c") == 3 and p.parked_evictions == 1  # found again
+  assert p.free_ids() == [] and p.num_free == 0
+  p.check()
+
+
+def test_unparking_a_group_behind_others_leaves_a_hole_takes_skip():
+  p = _pool(6)
+  x = p.take(2)
+  y = p.take(2)
+  p.publish(y[0], "y0")
+  p.park("x", x)
+  p.park("y", y, 1)
+  assert p.free_ids() == [5, 6, 2, 1, 4, 3]
+  assert p.unpark("x").tolist() == [1, 2] and p.ntomb == 2  # behind 5, 6: a hole
+  assert p.free_ids() == [5, 6, 4, 3] and p.num_free == 4
+  assert p.take(3).tolist() == [5, 6, 4]         # skips the hole
+  assert p.ntomb == 0 and p.lookup("y0") is None  # y's block 3 still parked
+  assert p.unpark("y").tolist() == [3] and p.lookup("y0") == 3
+  p.check()
+
+
+def test_a_parked_block_handed_out_is_never_found_under_its_old_key():
+  p = _pool(2)
+  a = p.take(1)
+  p.publish(a[0], "old")
+  p.park("r", a, 1)
+  got = p.take(1)                    # the free queue's head is block 2, then the parked block 1
+  got += p.take(1)
+  assert got.tolist() == [2, 1]
+  p.park("e", got[1:], 0)            # its new owner parks and unparks it (never published by it)
+  assert p.unpark("e").tolist() == [1]
+  assert p.lookup("old") is None and not p.published(1)
+  assert p.unpark("r").tolist() == [] and p.parked_evictions == 1  # r lost it to the queue
+  assert p.publish(1, "new") and p.lookup("new") == 1 and p.lookup("old") is None
   p.check()
 
 
@@ -111,9 +160,9 @@ def test_host_copy_findable_only_after_the_next_begin_step():
   _admit(bm, "a", toks)
   wb = bm.take_writebacks()
   assert len(wb) == 2
-  assert not bm.host.index                               # copied this step: not findable yet
+  assert not bm.host.published_items()                               # copied this step: not findable yet
   bm.begin_step()
-  assert len(bm.host.index) == 2
+  assert len(bm.host.published_items()) == 2
   bm.free("a")
   assert len(bm.host.evictable) == 2                     # outlives its request on host
   for rid in ("x", "y"):                                 # fill the device so a's blocks are evicted there
@@ -149,6 +198,51 @@ def test_rotation_readopts_blocks_still_on_device():
   bm.check_invariants()
 
 
+def test_rotation_keeps_blocks_others_share_and_parks_the_rest():
+  bm = BlockManager(12, 16, BS)
+  toks = list(range(3 * BS + 1))
+  _admit(bm, "a", toks)                                   # publishes a's 3 full blocks
+  dev, _, _ = _admit(bm, "b", toks[:2 * BS] + [90, 91, 92, 93, 94])  # shares a's first 2 blocks
+  assert dev == 2
+  a0, a1, a2, a3 = bm.block_table("a").tolist()
+  bm.take_writebacks()
+  out = PairList.from_columns([], [])
+  assert bm.swap_out_to("a", out) == 1                    # the dirty tail
+  assert bm.device.owners(a0) == 1 and bm.device.owners(a1) == 1  # b keeps the shared run
+  assert bm.seqs["a"].park_start == 2 and bm.device.parked_blocks("a").tolist() == [a2, a3]
+  hashes = block_hashes(toks, BS)
+  assert bm.device.lookup(hashes[1]) == a1 and bm.device.lookup(hashes[2]) is None  # parked: not found
+  back = h2d_pairs()
+  assert bm.swap_in_to("a", back) == 4 and len(back) == 0  # shared run found again, the group re-adopted
+  assert bm.block_table("a").tolist() == [a0, a1, a2, a3] and bm.device.owners(a1) == 2
+  assert bm.device.lookup(hashes[2]) == a2
+  bm.check_invariants()
+
+
+def test_rotation_when_a_shared_block_follows_an_own_one():
+  """A block others share after the request's first own block (a hash a third request published first): its
+  hashed blocks are released one by one (the shared one stays with its other owner) and only the rest parked."""
+  bm = BlockManager(12, 16, BS)
+  toks = list(range(2 * BS + 1))
+  hashes = block_hashes(toks, BS)
+  for rid in ("c", "a"):                                  # both prefill from scratch, in the same step
+    assert bm.allocate_prefix(rid, hashes, 0, 0, len(toks), h2d_pairs())
+  bm.mark_computed("c", BS)                               # c publishes block 0 first
+  bm.mark_computed("a", len(toks))                        # a's block 0 stays unpublished, its block 1 published
+  a0, a1, a2 = bm.block_table("a").tolist()
+  assert bm.device.lookup(hashes[0]) != a0 and bm.device.lookup(hashes[1]) == a1
+  dev, _, _ = _admit(bm, "b", toks)                       # b shares c's block 0 and a's block 1
+  assert dev == 2 and bm.device.owners(a1) == 2
+  bm.take_writebacks()
+  assert bm.swap_out_to("a", PairList.from_columns([], [])) == 1
+  assert bm.seqs["a"].park_start == 2 and bm.device.parked_blocks("a").tolist() == [a2]
+  assert bm.device.owners(a1) == 1 and bm.device.lookup(hashes[1]) == a1  # b keeps it, still found
+  back = h2d_pairs()
+  assert bm.swap_in_to("a", back) == 3 and len(back) == 0   # c's block 0 and a1 by hash, a2 from its group
+  assert bm.block_table("a").tolist()[1:] == [a1, a2]
+  bm.check_invariants()
+
+
 @pytest.mark.parametrize("rule, load_s, per_token_s, loads", [
     ("cost", 1e-5, 1e-6, False),      # a block loads in 1e-5 s, recomputes in 4 x 1e-6 s: recompute
     ("cost", 1e-6, 1e-6, True),       # 1e-6 < 4e-6: load
@@ -171,7 +265,7 @@ def test_scheduler_loads_or_recomputes_a_host_prefix(rule):
   while sched.has_unfinished():  # prefill, then two decode steps: the first writes its full blocks back
     sched.on_step_done(sched.schedule())
   bm.begin_step()                                         # the copies' step is over: publish them
-  assert len(bm.host.index) == 3
+  assert len(bm.host.published_items()) == 3
   assert bm.append_slots("big", 8 * BS)                   # evict a's blocks on device
   bm.free("big")
   sched.add_request(Request("b", len(toks), 1, 0.0, block_hashes=block_hashes(toks, BS)))

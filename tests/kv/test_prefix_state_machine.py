@@ -17,13 +17,15 @@ of its request's tokens up to and including it (equal prefixes have equal KV, wh
 sound). A step's copies are applied as the engine orders them: every D2H gather (swap-out, then write-back
 pairs) reads the device blocks as the last model step left them (the step's start); H2D scatters come after;
 the model step then writes the scheduled tokens. Blocks handed out fresh are poisoned at once, free-queue
-blocks at the end of every step (evictable ones keep their KV: they are findable).
+blocks at the end of every step except parked ones (their owner's swap-in re-adopts them; evictable ones keep
+their KV too: they are findable).
 
 Checked after every operation, besides ``check_invariants()`` (with the step's pending copies applied to a
 virtual view where a check reads data the engine will have by the next model step):
-  * no referenced block freed: no block of a live request is on a free queue, evictable or parked;
+  * no referenced block freed: no block of a live request is on a free queue (parked blocks sit there),
+    evictable or parked;
   * reference counts: owners counted from ``seqs`` equal ``pool.owners(b)``, and every block is exactly one
-    of owned / free / evictable / parked;
+    of owned / free / evictable;
   * no hash findable before its KV is written: a device block published under a content hash holds that
     hash's tokens (pending H2D included: a host load's block is published at admission and read after the
     step's scatter), a block parked for a rotated-out request holds that request's computed tokens of the
@@ -135,7 +137,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     seqs = tuple(sorted((repr(r), tuple(s.dev), tuple(s.host), tuple(s.host_tokens), s.num_tokens,
                          s.num_computed, s.on_host, s.nwb) for r, s in bm.seqs.items()))
     pools = tuple((tuple(p.free_ids()), tuple(p.evictable), tuple(sorted(p.refs.items())),
-                   tuple(sorted(p.index.items(), key=repr)), tuple((k, tuple(g)) for k, g in p.parked.items()))
+                   tuple(sorted(p.published_items().items(), key=repr)),
+                   tuple((k, tuple(p.parked_blocks(k))) for k in p.parked))
                   for p in (bm.device, bm.host))
     return seqs, pools, tuple(bm.writebacks), len(self.d2h), len(self.h2d), bm.reclaimable_host_blocks()
 
@@ -185,7 +188,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
   def _check_host_index(self):
     """Host entries are findable only after their copy: the host pool itself (no pending copy) holds them."""
-    for key, h in self.bm.host.index.items():
+    for key, h in self.bm.host.published_items().items():
       assert isinstance(key, int), f"host index key {key!r}"
       assert self.host[h] == self._expected_block(key), (
           f"host block {h} findable under a hash without its KV (copy not landed, or freed): holds {self.host[h]}")
@@ -226,11 +229,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     maxb = (planned - 1) // bs
     d, h = bm.lookup_prefix(hashes, maxb)
     n = min(maxb, len(hashes))
-    assert d + h <= n and all(hashes[i] in bm.device.index for i in range(d))
-    assert d == n or hashes[d] not in bm.device.index
+    assert d + h <= n and all(bm.device.lookup(hashes[i]) is not None for i in range(d))
+    assert d == n or bm.device.lookup(hashes[d]) is None
     if bm.host_prefix_cache:
-      assert all(hashes[i] in bm.host.index for i in range(d, d + h))
-      assert d + h == n or hashes[d + h] not in bm.host.index
+      assert all(bm.host.lookup(hashes[i]) is not None for i in range(d, d + h))
+      assert d + h == n or bm.host.lookup(hashes[d + h]) is None
     else:
       assert h == 0
     if h and data.draw(st.integers(0, 3)) == 0:
@@ -239,12 +242,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     # published earlier in this step included, its H2D scatter runs before any model step reads it), host
     # hits in the host blocks (their D2H copies landed in an earlier step).
     _, vdev = self._overlays()
-    hit_dev = [bm.device.index[hashes[i]] for i in range(d)]
+    hit_dev = [bm.device.lookup(hashes[i]) for i in range(d)]
     for i, b in enumerate(hit_dev):
       got = vdev.get(b, self.dev[b])
       assert got == req.values(i * bs, (i + 1) * bs), f"device hit block {b} (logical {i}) holds {got}"
     for i in range(d, d + h):
-      hb = bm.host.index[hashes[i]]
+      hb = bm.host.lookup(hashes[i])
       assert self.host[hb] == req.values(i * bs, (i + 1) * bs), f"host hit block {hb} holds {self.host[hb]}"
     c = (d + h) * bs
     chunk = data.draw(st.one_of(st.just(planned - c), st.integers(1, planned - c)))
@@ -459,7 +462,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
       for t in range(s.num_computed, s.num_tokens):
         b = s.dev[t // bs]
         assert bm.device.owners(b) == 1, f"model step writes block {b} of {rid!r}, shared by {bm.device.owners(b)}"
-        assert b not in bm.device.hash_of, f"model step writes published block {b} ({bm.device.hash_of[b]!r})"
+        assert not bm.device.published(b), f"model step writes published block {b} ({bm.device.hash_of[b]!r})"
         blk = list(self.dev[b])
         blk[t % bs] = req.value(t)
         self.dev[b] = blk
@@ -485,8 +488,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         del self.expect[rid]
         self.done_ids.append(rid)
         self.stats["finished_between_steps"] += 1
+    parked = {b for rid in bm.device.parked for b in bm.device.parked_blocks(rid)}
     for b in bm.device.free_ids():
-      self.dev[b] = [POISON] * bs
+      if b not in parked:  # a parked block keeps its KV until the queue hands it out (poisoned then)
+        self.dev[b] = [POISON] * bs
     for h in bm.host.free_ids():
       self.host[h] = [POISON] * bs
     self.stats["steps"] += 1
@@ -519,16 +524,17 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     vhost, vdev = self._overlays()
     self._check_copy_lists(list(zip(self.d2h.srcs, self.d2h.dsts)), list(zip(self.h2d.srcs, self.h2d.dsts)))
     # No hash findable before its KV is written.
-    for key, b in bm.device.index.items():
+    for key, b in bm.device.published_items().items():
       assert isinstance(key, int), f"device index key {key!r}"
       got = vdev.get(b, self.dev[b])
       assert got == self._expected_block(key), f"device block {b} findable under a hash, holds {got}"
     # A rotated-out request's parked blocks (re-adopted by its swap-in with no copy) hold its KV: they are its
-    # computed logical blocks past its prompt's hashed ones, in order.
-    for rid, group in bm.device.parked.items():
+    # computed logical blocks from its park_start on, in order.
+    for rid in bm.device.parked:
+      group = bm.device.parked_blocks(rid)
       s = bm.seqs.get(rid)
       assert s is not None and s.on_host, f"blocks {group.tolist()} parked for {rid!r}, not swapped out"
-      nh = min(len(s.hashes), len(s.host))
+      nh = s.park_start
       for j, b in enumerate(group):
         i = nh + j
         k = computed_in_block(s, i, bs)
@@ -568,11 +574,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     for name, pool, own in (("device", bm.device, dev_own), ("host", bm.host, host_own)):
       free = pool.free_ids()
       evictable = set(pool.evictable)
-      parked = [b for g in pool.parked.values() for b in g]
+      parked = [b for k in pool.parked for b in pool.parked_blocks(k)]
       fset = set(free)
       pset = set(parked)
       assert len(fset) == len(free) and len(pset) == len(parked)
-      assert not fset & evictable and not fset & pset and not evictable & pset
+      assert not fset & evictable and pset <= fset  # parked blocks sit on the free queue
       for b, n in own.items():
         assert b not in fset, f"referenced {name} block {b} ({n} owners) is on the free queue"
         assert b not in evictable, f"referenced {name} block {b} ({n} owners) is evictable"
@@ -580,10 +586,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert pool.owners(b) == n, f"{name} block {b}: {n} live references, count says {pool.owners(b)}"
       for b in pool.refs:
         assert own[b] > 1, f"{name} block {b} has refs {pool.refs[b]} but {own[b]} live references"
-      assert len(own) + len(fset) + len(evictable) + len(pset) == pool.num_blocks, (
-          f"{name}: {len(own)} owned + {len(fset)} free + {len(evictable)} evictable + {len(pset)} parked "
+      assert len(own) + len(fset) + len(evictable) == pool.num_blocks, (
+          f"{name}: {len(own)} owned + {len(fset)} free + {len(evictable)} evictable "
           f"!= {pool.num_blocks}")
-      assert pool.num_free == len(fset) + len(evictable) + len(pset)
+      assert pool.num_free == len(fset) + len(evictable)
 
 
 class AnyRotationMachine(PrefixCacheMachine):
@@ -616,7 +622,7 @@ def test_swap_in_does_not_readopt_a_partially_computed_hashed_block():
   bm.mark_computed("y", 1)
   bm.begin_step()
   published = bm.seqs["x"].dev[0]
-  assert bm.device.index[hashes[0]] == published
+  assert bm.device.lookup(hashes[0]) == published
   assert bm.swap_out_many(["y"], out) == (1, 1)
   bm.take_writebacks(0)
   bm.begin_step()
@@ -625,4 +631,4 @@ def test_swap_in_does_not_readopt_a_partially_computed_hashed_block():
   assert bm.seqs["y"].dev[0] != published, "y re-adopted x's published block for its half-computed block 0"
   assert bm.append_slots("y", 1)  # y's next prefill token goes into its block 0
   b = bm.seqs["y"].dev[0]
-  assert bm.device.owners(b) == 1 and b not in bm.device.hash_of
+  assert bm.device.owners(b) == 1 and not bm.device.published(b)
