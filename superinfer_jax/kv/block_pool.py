@@ -32,7 +32,7 @@ key (its new owners may park and unpark it, but its generation never returns to 
 ``publish`` starts anew). Generations move in batches: ``park`` / ``unpark`` queue the ids, and the next read
 applies them with one numpy operation (parked blocks before anything can find them or a take hands them out;
 ``lookup_many``, the swap-in batch's lookup, leaves unparked ones hidden until then). ``num_published`` counts
-the published blocks.
+the published blocks (again, in one numpy pass, after generations moved).
 
 Evictable blocks count as free (``num_free``). A ``take`` that the free queue cannot serve evicts the oldest
 evictable blocks (unpublishing them) into the free queue: blocks that were never published are reused first.
@@ -84,7 +84,7 @@ class BlockPool:
       every id ever released, so a parked group's place survives compaction).
     index: key -> block; ``hash_of``: block -> key. A block is published (under ``hash_of[b]``, and ``index``
       maps that key back to it) iff ``pubgen[b] == gen[b]`` (``published``); other entries are stale.
-    num_published: blocks published.
+    num_published: blocks published (a property: counted again, one numpy pass, after generations moved).
     evictable: published blocks nobody owns, oldest first (``OrderedDict`` block -> None).
     refs: block -> owners beyond the first (only blocks with more than one owner).
     evictions: published blocks evicted so far (a ``take`` reused them).
@@ -95,7 +95,8 @@ class BlockPool:
       ntomb: their total length. parked_evictions: parked blocks reused before their owner came back.
   """
   __slots__ = ("first_id", "num_blocks", "ids", "head", "base", "index", "hash_of", "evictable", "refs",
-               "evictions", "parked", "gen", "pubgen", "tombs", "ntomb", "parked_evictions", "num_published",
+               "evictions", "parked", "gen", "pubgen", "tombs", "ntomb", "parked_evictions", "_num_published",
+               "_count_stale",
                "_gen_np", "_pubgen_np",
                "_pending_park", "_pending_unpark")
 
@@ -118,7 +119,8 @@ class BlockPool:
     self.pubgen = array("I", [UNPUBLISHED]) * size
     self._gen_np = np.frombuffer(self.gen, np.uint32)  # views: batched updates of the same memory
     self._pubgen_np = np.frombuffer(self.pubgen, np.uint32)
-    self.num_published = 0
+    self._num_published = 0  # exact unless _count_stale (generations moved since it was counted)
+    self._count_stale = False
     self._pending_park: list[array] = []  # ids parked, their generations not advanced yet
     self._pending_unpark: list[array] = []  # ids unparked, their generations not moved back yet
     self.tombs: list[list[int]] = []
@@ -270,6 +272,16 @@ class BlockPool:
       self._apply_generations()
     return self.pubgen[block] == self.gen[block]
 
+  @property
+  def num_published(self) -> int:
+    """Blocks published."""
+    if self._pending_park or self._pending_unpark:
+      self._apply_generations()
+    if self._count_stale:
+      self._num_published = int(np.count_nonzero(self._pubgen_np == self._gen_np))
+      self._count_stale = False
+    return self._num_published
+
   def published_items(self) -> dict:
     """Every published key -> block (a fresh dict; O(entries): for stats, tests and debug)."""
     return {k: b for k, b in self.index.items() if self.published(b)}
@@ -295,7 +307,7 @@ class BlockPool:
     index[key] = block
     self.hash_of[block] = key
     pubgen[block] = gen[block]
-    self.num_published += 1
+    self._num_published += 1
     return True
 
   def _apply_generations(self) -> None:
@@ -303,17 +315,15 @@ class BlockPool:
     first): parked ids advance, unparked ids move back. No id is queued twice (a take applies queued parks
     before it can hand a parked block out to be parked again)."""
     gen = self._gen_np
-    pubgen = self._pubgen_np
     for pending, advance in ((self._pending_park, True), (self._pending_unpark, False)):
       if pending:
         idx = np.frombuffer(b"".join(pending), np.dtype(pending[0].typecode)).astype(np.intp)
         pending.clear()
         if advance:
-          self.num_published -= int(np.count_nonzero(pubgen[idx] == gen[idx]))
           gen[idx] += np.uint32(1)
         else:
           gen[idx] -= np.uint32(1)
-          self.num_published += int(np.count_nonzero(pubgen[idx] == gen[idx]))
+        self._count_stale = True
 
   def share(self, block: int) -> None:
     """Adds an owner to published ``block``: re-adopts it from ``evictable`` (KV intact), or counts one more
@@ -321,7 +331,7 @@ class BlockPool:
     self.share_many((block,))
 
   def share_many(self, blocks) -> None:
-    """``share`` for each of ``blocks`` (published, distinct)."""
+    """``share`` for each of ``blocks`` (published), in order: a block listed twice gains two owners."""
     evictable = self.evictable
     refs = self.refs
     for b in blocks:
@@ -339,17 +349,26 @@ class BlockPool:
     block first (module docstring). Its first ``num_published`` blocks (default: all), those its owner may have
     published, move to a new generation; the others were never published in theirs (nothing finds them).
     ``key`` must not be parked already."""
-    if key in self.parked:
-      raise ValueError(f"park: {key!r} is parked already")
-    if ids:
-      if self._pending_unpark:
-        self._apply_generations()
-      free = self.ids
-      npub = len(ids) if num_published is None else max(0, min(num_published, len(ids)))
-      self.parked[key] = (self.base + len(free), len(ids), npub)
+    self.park_many(((key, ids, len(ids) if num_published is None else num_published),))
+
+  def park_many(self, groups) -> None:
+    """``park(key, ids, num_published)`` for each ``(key, ids, num_published)`` of ``groups``, in order."""
+    if self._pending_unpark:
+      self._apply_generations()
+    free = self.ids
+    parked = self.parked
+    pending = self._pending_park
+    for key, ids, npub in groups:
+      if key in parked:
+        raise ValueError(f"park: {key!r} is parked already")
+      if not ids:
+        continue
+      n = len(ids)
+      npub = n if npub > n else (npub if npub > 0 else 0)
+      parked[key] = (self.base + len(free), n, npub)
       free += ids[::-1]
       if npub:
-        self._pending_park.append(ids if npub == len(ids) else ids[:npub])
+        pending.append(ids if npub == n else ids[:npub])
 
   def parked_count(self, key: Hashable) -> int:
     """Blocks of group ``key`` the free queue has not handed out yet (0 if none)."""
@@ -382,6 +401,36 @@ class BlockPool:
       self.ntomb += k
     if npub:
       self._pending_unpark.append(out[:npub])  # (a copy)
+    return out
+
+  def parked_counts(self, keys) -> list[int]:
+    """``parked_count`` of each of ``keys``, in order."""
+    parked = self.parked
+    pos = self.base + self.head
+    out = []
+    for key in keys:
+      g = parked.get(key)
+      if g is None:
+        out.append(0)
+      else:
+        left = g[0] + g[1] - pos
+        out.append(g[1] if left > g[1] else (left if left > 0 else 0))
+    return out
+
+  def unpark_many(self, keys) -> dict:
+    """``unpark`` of each of ``keys`` (distinct), in order: key -> what is left of its group, for the keys with
+    something left (the others are forgotten, their blocks handed out)."""
+    out = {}
+    parked = self.parked
+    for key in keys:
+      g = parked.get(key)
+      if g is None:
+        continue
+      if g[0] + g[1] <= self.base + self.head:  # all handed out
+        del parked[key]
+        self.parked_evictions += g[1]
+      else:
+        out[key] = self.unpark(key)
     return out
 
   def parked_count_of(self, start: int, m: int) -> int:
@@ -420,7 +469,7 @@ class BlockPool:
       pubgen[b] = gen[b] ^ UNPUBLISHED
       free.append(b)
     self.evictions += n
-    self.num_published -= n
+    self._num_published -= n
 
   def free_ids(self) -> list[int]:
     """The free queue, head first, without its holes (a copy; for tests and debug)."""

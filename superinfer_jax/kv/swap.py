@@ -262,6 +262,7 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   done = mirrors = 0
   bs = block_size
   refs = device.refs
+  parks = []  # (req_id, blocks, hashed): parked at the end, in order (BlockPool.park_many)
   for req_id in req_ids:
     s = seqs[req_id]
     if s.on_host:
@@ -313,11 +314,13 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
         device.release(dev[nh - 1:k - 1 if k else None:-1])  # (tail first)
         k = nh
       if n > k:  # its hashed blocks may be published (they change generation: not found while parked)
-        device.park(req_id, dev[k:], min(len(hashes), s.num_computed // bs) - k)
+        parks.append((req_id, dev[k:], min(len(hashes), s.num_computed // bs) - k))
       s.park_start = k
     del dev[:]
     mirrors += nhost
     done += 1
+  if parks:
+    device.park_many(parks)
   return done, len(srcs) - start, -mirrors
 
 
@@ -326,49 +329,74 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
   """``swap_in_many`` with shared blocks. A logical block whose KV is still on device (before
   ``SeqBlocks.park_start``: published under its hash, found by ``lookup_many``; from there: still parked under
   its id, not yet handed out by the free queue) is re-adopted with no copy; the others get a fresh block and an
-  H2D pair. All-or-nothing per request, in order, stopping at the first the device pool
-  cannot take. Returns ``(tables, mirrors, readopted)``: as ``swap_in_many``, plus the blocks re-adopted."""
+  H2D pair. All-or-nothing per request, in order, stopping at the first the device pool cannot take (each
+  counted against what the requests before it take). The batch then moves its blocks at once: re-adopted shared
+  runs, every group unparked, and one take for every fresh block (so no request's fresh blocks come out of a
+  later one's group), handed out in request order. Returns ``(tables, mirrors, readopted)``: as
+  ``swap_in_many``, plus the blocks re-adopted."""
   if num_new_tokens < 0:
     raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
   bs = block_size
-  tables = []
-  mirrors = readopted = 0
   lookup_many = device.lookup_many
   evictable = device.evictable
   parked_groups = device.parked
-  srcs = out.srcs
-  dsts = out.dsts
-  for req_id in req_ids:
+  # Phase 1: which requests fit, in order (nothing moves yet).
+  free_left = device.num_free
+  plan = []  # (req_id, s, found, npark, total, fresh_n)
+  shared = []
+  groups = []
+  fresh_total = 0
+  req_ids = list(req_ids)
+  parked_counts = device.parked_counts(req_ids)
+  for j, req_id in enumerate(req_ids):
     s = seqs[req_id]
     if not s.on_host:
       raise ValueError(f"request {req_id!r} is not swapped out")
-    ids = s.host
-    n = len(ids)
     nh = 0 if s.hashes is None else s.park_start  # its blocks before its parked group: found by content
     if nh:
       found = lookup_many(s.hashes[:nh])
       hits = nh - found.count(None)
       revive = len(evictable.keys() & found) if hits else 0
     else:
+      found = None
       hits = revive = 0
-    npark = device.parked_count(req_id) if req_id in parked_groups else 0
+    npark = parked_counts[j]
     total = (s.num_tokens + num_new_tokens + bs - 1) // bs  # blocks_for (kv/layout.py), inline
     fresh_n = total - hits - npark
-    if fresh_n + revive + npark > device.num_free:
+    need = fresh_n + revive + npark
+    if need > free_left:
       break
+    free_left -= need
     if hits:
-      device.share_many(found if hits == nh else [b for b in found if b is not None])
-    if req_id in parked_groups:  # (forgets the group even when the queue handed all of it out)
-      group = device.unpark(req_id)
-    fresh = device.take(fresh_n)
-    if not nh:
-      devs = group if npark else array(DEV_IDS)
-    elif hits == nh:  # every hashed block found
+      shared += found if hits == nh else [b for b in found if b is not None]
+    if req_id in parked_groups:
+      groups.append(req_id)
+    plan.append((req_id, s, found, npark, total, fresh_n))
+    fresh_total += fresh_n
+  # Phase 2: the batch's blocks move.
+  if shared:
+    device.share_many(shared)
+  unparked = device.unpark_many(groups) if groups else {}
+  fresh_all = device.take(fresh_total)
+  # Phase 3: each request's table, in order.
+  srcs = out.srcs
+  dsts = out.dsts
+  tables = []
+  mirrors = readopted = 0
+  pos = 0
+  for req_id, s, found, npark, total, fresh_n in plan:
+    ids = s.host
+    n = len(ids)
+    fresh = fresh_all[pos:pos + fresh_n]
+    pos += fresh_n
+    if found is None:
+      devs = array(DEV_IDS)
+      hits = 0
+    elif None not in found:  # every hashed block found
       devs = array(DEV_IDS, found)
-      if npark:
-        devs += group
+      hits = len(found)
     else:
-      devs = array(DEV_IDS, [0]) * nh
+      devs = array(DEV_IDS, [0]) * len(found)
       k = 0
       for i, b in enumerate(found):
         if b is None:
@@ -378,8 +406,9 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
           dsts.append(b)
         devs[i] = b
       fresh = fresh[k:]
-      if npark:
-        devs += group
+      hits = len(found) - k
+    if npark:
+      devs += unparked[req_id]
     m = n - len(devs)  # the rest of its blocks: copied into fresh ones
     if m > 0:
       srcs += ids[len(devs):n]
