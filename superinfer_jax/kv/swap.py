@@ -255,7 +255,7 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   findable by content) and only the blocks after them parked. Host copies made clean by the swap-out whose
   block has a content hash are appended to ``host_published`` as ``(host id, hash, req_id, logical block)``
   (the block manager publishes them a step later: ordering). Returns ``(k, pairs, mirrors)`` as
-  ``swap_out_many``."""
+  ``swap_out_many``. Raises ValueError, changing nothing, if an id repeats or is swapped out already."""
   srcs = out.srcs
   dsts = out.dsts
   start = len(srcs)
@@ -263,10 +263,12 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   bs = block_size
   refs = device.refs
   parks = []  # (req_id, blocks, hashed): parked at the end, in order (BlockPool.park_many)
+  req_ids = _distinct(req_ids)
+  for req_id in req_ids:  # (checked first: a bad id changes nothing)
+    if seqs[req_id].on_host:
+      raise ValueError(f"request {req_id!r} is already swapped out")
   for req_id in req_ids:
     s = seqs[req_id]
-    if s.on_host:
-      raise ValueError(f"request {req_id!r} is already swapped out")
     nhost = s.nhost
     hashes = s.hashes
     i = _fast_block(queue, req_id, s, bs)
@@ -310,9 +312,10 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
       n = len(dev)
       k = device.release_shared_run(dev) if refs else 0  # others keep them
       if k < n and refs and not refs.keys().isdisjoint(dev[k:]):
-        nh = max(k, min(len(hashes), s.num_computed // bs))  # its full, computed hashed blocks: released one by one
-        device.release(dev[nh - 1:k - 1 if k else None:-1])  # (tail first)
-        k = nh
+        nh = min(len(hashes), s.num_computed // bs)  # its full, computed hashed blocks: released one by one
+        if nh > k:
+          device.release(dev[nh - 1:k - 1 if k else None:-1])  # (tail first)
+          k = nh
       if n > k:  # its hashed blocks may be published (they change generation: not found while parked)
         parks.append((req_id, dev[k:], min(len(hashes), s.num_computed // bs) - k))
       s.park_start = k
@@ -324,6 +327,14 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   return done, len(srcs) - start, -mirrors
 
 
+def _distinct(req_ids) -> list:
+  """``req_ids`` as a list; ValueError if an id repeats (a batch moves each request once)."""
+  ids = list(req_ids)
+  if len(set(ids)) != len(ids):
+    raise ValueError(f"request ids repeat in one batch: {ids}")
+  return ids
+
+
 def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_new_tokens: int,
                    out: PairList) -> tuple[list[array], int, int]:
   """``swap_in_many`` with shared blocks. A logical block whose KV is still on device (before
@@ -333,7 +344,8 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
   counted against what the requests before it take). The batch then moves its blocks at once: re-adopted shared
   runs, every group unparked, and one take for every fresh block (so no request's fresh blocks come out of a
   later one's group), handed out in request order. Returns ``(tables, mirrors, readopted)``: as
-  ``swap_in_many``, plus the blocks re-adopted."""
+  ``swap_in_many``, plus the blocks re-adopted. Raises ValueError, changing nothing, if an id repeats or is
+  not swapped out."""
   if num_new_tokens < 0:
     raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
   bs = block_size
@@ -346,7 +358,8 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
   shared = []
   groups = []
   fresh_total = 0
-  req_ids = list(req_ids)
+  revived = set()  # evictable blocks an earlier request of the batch re-adopts (one free block each, once)
+  req_ids = _distinct(req_ids)
   parked_counts = device.parked_counts(req_ids)
   for j, req_id in enumerate(req_ids):
     s = seqs[req_id]
@@ -356,7 +369,12 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
     if nh:
       found = lookup_many(s.hashes[:nh])
       hits = nh - found.count(None)
-      revive = len(evictable.keys() & found) if hits else 0
+      if hits:
+        newly = (evictable.keys() & found) - revived
+        revive = len(newly)
+        revived |= newly
+      else:
+        revive = 0
     else:
       found = None
       hits = revive = 0

@@ -243,6 +243,44 @@ def test_rotation_when_a_shared_block_follows_an_own_one():
   bm.check_invariants()
 
 
+def test_a_bad_rotation_batch_changes_nothing():
+  bm = BlockManager(12, 16, BS)
+  toks = list(range(2 * BS + 1))
+  _admit(bm, "a", toks)
+  _admit(bm, "b", [7] + toks[1:])
+  bm.take_writebacks()
+  free = bm.device.num_free
+  for batch in (["a", "a"], ["a", "zz"]):
+    with pytest.raises((ValueError, KeyError)):
+      bm.swap_out_many(batch, PairList.from_columns([], []))
+    assert not bm.is_swapped("a") and bm.device.num_free == free
+  assert bm.swap_out_many(["a", "b"], PairList.from_columns([], [])) == (2, 2)
+  free = bm.device.num_free
+  with pytest.raises(ValueError):
+    bm.swap_in_many(["a", "a"], 0, h2d_pairs())
+  assert bm.is_swapped("a") and bm.device.num_free == free
+  bm.check_invariants()
+
+
+def test_a_swap_in_batch_counts_a_shared_revival_once():
+  """Two requests of one swap-in batch re-adopt the same evictable block: it takes one free block, not two."""
+  bm = BlockManager(6, 16, BS)
+  toks = list(range(BS + 1))
+  _admit(bm, "c", toks[:BS])                              # publishes block 1 (its one block)
+  _admit(bm, "a", toks)                                   # share it, plus a partial block each (2, 3)
+  _admit(bm, "b", toks)
+  assert bm.append_slots("big", 3 * BS)                   # the rest of the pool
+  bm.take_writebacks()
+  bm.begin_step()
+  assert bm.swap_out_many(["a", "b"], PairList.from_columns([], [])) == (2, 2)  # their tails parked
+  bm.free("c")                                            # block 1: nobody's now, published: evictable
+  assert bm.device.is_evictable(1) and bm.device.num_free == 3
+  back = h2d_pairs()
+  assert len(bm.swap_in_many(["a", "b"], 0, back)) == 2   # 1 revived once + 2 tails: both fit
+  assert len(back) == 0 and bm.device.owners(1) == 2 and bm.device.num_free == 0
+  bm.check_invariants()
+
+
 @pytest.mark.parametrize("rule, load_s, per_token_s, loads", [
     ("cost", 1e-5, 1e-6, False),      # a block loads in 1e-5 s, recomputes in 4 x 1e-6 s: recompute
     ("cost", 1e-6, 1e-6, True),       # 1e-6 < 4e-6: load
