@@ -175,21 +175,18 @@ class BlockPool:
     base = self.base
     out = array(ids.typecode)
     head = self.head
-    while n:
-      pos = base + head
-      if tombs and tombs[0][0] <= pos:
+    while True:
+      if tombs and tombs[0][0] <= base + head:  # a hole at the head (also right after the last id): skip it
         t0, t1 = tombs.pop(0)
         self.ntomb -= t1 - t0
         head = t1 - base
         continue
+      if not n:
+        break
       stop = head + n if not tombs else min(head + n, tombs[0][0] - base)
       out += ids[head:stop]
       n -= stop - head
       head = stop
-    if tombs and tombs[0][0] <= base + head:  # a hole right at the new head: skip it now
-      t0, t1 = tombs.pop(0)
-      self.ntomb -= t1 - t0
-      head = t1 - base
     self.head = head
     return out
 
@@ -373,7 +370,7 @@ class BlockPool:
   def parked_count(self, key: Hashable) -> int:
     """Blocks of group ``key`` the free queue has not handed out yet (0 if none)."""
     g = self.parked.get(key)
-    return 0 if g is None else self.parked_count_of(g[0], g[1])
+    return 0 if g is None else self._untaken(g[0], g[1])
 
   def unpark(self, key: Hashable) -> array:
     """What is left of group ``key`` (a prefix of the ids parked, in order; the queue hands out its tail first),
@@ -383,7 +380,7 @@ class BlockPool:
     if g is None:
       return array(self.ids.typecode)
     start, m, npub = g
-    k = self.parked_count_of(start, m)
+    k = self._untaken(start, m)
     self.parked_evictions += m - k
     if not k:
       return array(self.ids.typecode)
@@ -393,7 +390,7 @@ class BlockPool:
     lo = start + m - k - self.base
     hi = start + m - self.base
     out = ids[lo:hi][::-1]
-    if lo == self.head and not (self.tombs and self.tombs[0][0] == hi + self.base):
+    if lo == self.head:
       self.head = hi  # what is left starts at the head: the queue simply moves past it
     else:
       ids[lo:hi] = array(ids.typecode, bytes(ids.itemsize * k))  # a hole: take skips it (tombs)
@@ -405,35 +402,13 @@ class BlockPool:
 
   def parked_counts(self, keys) -> list[int]:
     """``parked_count`` of each of ``keys``, in order."""
-    parked = self.parked
-    pos = self.base + self.head
-    out = []
-    for key in keys:
-      g = parked.get(key)
-      if g is None:
-        out.append(0)
-      else:
-        left = g[0] + g[1] - pos
-        out.append(g[1] if left > g[1] else (left if left > 0 else 0))
-    return out
+    return [self.parked_count(key) for key in keys]
 
   def unpark_many(self, keys) -> dict:
-    """``unpark`` of each of ``keys`` (distinct), in order: key -> what is left of its group, for the keys with
-    something left (the others are forgotten, their blocks handed out)."""
-    out = {}
-    parked = self.parked
-    for key in keys:
-      g = parked.get(key)
-      if g is None:
-        continue
-      if g[0] + g[1] <= self.base + self.head:  # all handed out
-        del parked[key]
-        self.parked_evictions += g[1]
-      else:
-        out[key] = self.unpark(key)
-    return out
+    """``unpark`` of each of ``keys`` that has a group (distinct keys), in order: key -> what is left of it."""
+    return {key: self.unpark(key) for key in keys if key in self.parked}
 
-  def parked_count_of(self, start: int, m: int) -> int:
+  def _untaken(self, start: int, m: int) -> int:
     """Of ``m`` blocks parked from absolute position ``start``, those the free queue has not handed out."""
     left = start + m - self.base - self.head
     return m if left > m else (left if left > 0 else 0)
@@ -448,7 +423,7 @@ class BlockPool:
     if g is None:
       return array(self.ids.typecode)
     start, m, _ = g
-    k = self.parked_count_of(start, m)
+    k = self._untaken(start, m)
     return self.ids[start + m - k - self.base:start + m - self.base][::-1]
 
   def owners(self, block: int) -> int:

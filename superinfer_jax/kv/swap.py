@@ -351,20 +351,19 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
   bs = block_size
   lookup_many = device.lookup_many
   evictable = device.evictable
-  parked_groups = device.parked
+  req_ids = _distinct(req_ids)
+  for req_id in req_ids:  # (checked first: a bad id changes nothing)
+    if not seqs[req_id].on_host:
+      raise ValueError(f"request {req_id!r} is not swapped out")
   # Phase 1: which requests fit, in order (nothing moves yet).
   free_left = device.num_free
-  plan = []  # (req_id, s, found, npark, total, fresh_n)
+  plan = []  # (req_id, s, found, hits, npark, total, fresh_n)
   shared = []
-  groups = []
   fresh_total = 0
   revived = set()  # evictable blocks an earlier request of the batch re-adopts (one free block each, once)
-  req_ids = _distinct(req_ids)
   parked_counts = device.parked_counts(req_ids)
   for j, req_id in enumerate(req_ids):
     s = seqs[req_id]
-    if not s.on_host:
-      raise ValueError(f"request {req_id!r} is not swapped out")
     nh = 0 if s.hashes is None else s.park_start  # its blocks before its parked group: found by content
     if nh:
       found = lookup_many(s.hashes[:nh])
@@ -387,14 +386,12 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
     free_left -= need
     if hits:
       shared += found if hits == nh else [b for b in found if b is not None]
-    if req_id in parked_groups:
-      groups.append(req_id)
-    plan.append((req_id, s, found, npark, total, fresh_n))
+    plan.append((req_id, s, found, hits, npark, total, fresh_n))
     fresh_total += fresh_n
-  # Phase 2: the batch's blocks move.
+  # Phase 2: the batch's blocks move (a group the queue handed out entirely is forgotten too).
   if shared:
     device.share_many(shared)
-  unparked = device.unpark_many(groups) if groups else {}
+  unparked = device.unpark_many([p[0] for p in plan])
   fresh_all = device.take(fresh_total)
   # Phase 3: each request's table, in order.
   srcs = out.srcs
@@ -402,17 +399,15 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
   tables = []
   mirrors = readopted = 0
   pos = 0
-  for req_id, s, found, npark, total, fresh_n in plan:
+  for req_id, s, found, hits, npark, total, fresh_n in plan:
     ids = s.host
     n = len(ids)
     fresh = fresh_all[pos:pos + fresh_n]
     pos += fresh_n
     if found is None:
       devs = array(DEV_IDS)
-      hits = 0
-    elif None not in found:  # every hashed block found
+    elif hits == len(found):  # every hashed block found
       devs = array(DEV_IDS, found)
-      hits = len(found)
     else:
       devs = array(DEV_IDS, [0]) * len(found)
       k = 0
@@ -424,7 +419,6 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
           dsts.append(b)
         devs[i] = b
       fresh = fresh[k:]
-      hits = len(found) - k
     if npark:
       devs += unparked[req_id]
     m = n - len(devs)  # the rest of its blocks: copied into fresh ones
