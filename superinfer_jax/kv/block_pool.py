@@ -59,8 +59,8 @@ assigns either field or changes ``ids`` otherwise. Never touches KV data.
 """
 from __future__ import annotations
 
-import bisect
 import collections
+import itertools
 from array import array
 from typing import Hashable, Iterable
 
@@ -70,6 +70,13 @@ import numpy as np
 # ``pubgen[b]`` of a block not published: ``gen[b] ^ UNPUBLISHED`` (a generation moves by one per parking or
 # unparking, so it never reaches that value).
 UNPUBLISHED = 0x80000000
+
+
+def _untaken(start: int, m: int, head_pos: int) -> int:
+  """Of ``m`` blocks parked from absolute queue position ``start``, those the free queue (its head at absolute
+  position ``head_pos``) has not handed out yet: the positions from ``head_pos`` on."""
+  left = start + m - head_pos
+  return m if left > m else (left if left > 0 else 0)
 
 
 class BlockPool:
@@ -88,8 +95,8 @@ class BlockPool:
     evictable: published blocks nobody owns, oldest first (``OrderedDict`` block -> None).
     refs: block -> owners beyond the first (only blocks with more than one owner).
     evictions: published blocks evicted so far (a ``take`` reused them).
-    parked: key -> ``(start, count, num_published)``: its group's absolute queue positions ``start .. start +
-      count - 1``, and how many of its leading blocks changed generation.
+    parked: key -> ``(start, count)``: its group's absolute queue positions ``start .. start + count - 1``, in
+      queue order (every group is parked at the tail).
     gen, pubgen: ``array('I')`` by block id: a block's generation, and the one it was last published in.
     tombs: sorted ``[start, end)`` absolute position ranges of unparked blocks still in ``ids`` (zeros);
       ntomb: their total length. parked_evictions: parked blocks reused before their owner came back.
@@ -121,8 +128,10 @@ class BlockPool:
     self._pubgen_np = np.frombuffer(self.pubgen, np.uint32)
     self._num_published = 0  # exact unless _count_stale (generations moved since it was counted)
     self._count_stale = False
-    self._pending_park: list[array] = []  # ids parked, their generations not advanced yet
-    self._pending_unpark: list[array] = []  # ids unparked, their generations not moved back yet
+    # Ids (bytes-like, the pool's typecode) parked, their generations not advanced yet, and unparked, their
+    # generations not moved back yet.
+    self._pending_park: list = []
+    self._pending_unpark: list = []
     self.tombs: list[list[int]] = []
     self.ntomb = 0
     self.parked_evictions = 0
@@ -162,31 +171,56 @@ class BlockPool:
       out = ids[head:end]
       self.head = end
     end = self.head
+    if self.parked:
+      self._forget_taken_groups()
     if end + end >= len(ids):  # the consumed prefix is at least half: compact
       del ids[:end]
       self.base += end
       self.head = 0
     return out
 
+  def _forget_taken_groups(self) -> None:
+    """Forgets the parked groups the free queue has handed out entirely (counted in ``parked_evictions``).
+    ``parked`` is in queue order (every group is parked at the tail), so they are its leading entries."""
+    parked = self.parked
+    pos = self.base + self.head
+    gone = []
+    lost = 0
+    for key, (start, m) in parked.items():
+      if start + m > pos:
+        break
+      gone.append(key)
+      lost += m
+    for key in gone:
+      del parked[key]
+    self.parked_evictions += lost
+
   def _take_around_holes(self, n: int) -> array:
-    """``take``'s gather when the queue has holes: the next ``n`` ids past ``head`` that are not in ``tombs``."""
+    """``take``'s gather when the queue has holes: the next ``n`` ids past ``head`` that are not in ``tombs``
+    (the holes it passes, and one right after its last id, are dropped from ``tombs``)."""
     ids = self.ids
     tombs = self.tombs
     base = self.base
     out = array(ids.typecode)
     head = self.head
+    j = 0
+    nt = len(tombs)
+    skipped = 0
     while True:
-      if tombs and tombs[0][0] <= base + head:  # a hole at the head (also right after the last id): skip it
-        t0, t1 = tombs.pop(0)
-        self.ntomb -= t1 - t0
+      if j < nt and tombs[j][0] <= base + head:  # a hole at the head: skip it
+        t0, t1 = tombs[j]
+        skipped += t1 - t0
         head = t1 - base
+        j += 1
         continue
       if not n:
         break
-      stop = head + n if not tombs else min(head + n, tombs[0][0] - base)
+      stop = head + n if j == nt else min(head + n, tombs[j][0] - base)
       out += ids[head:stop]
       n -= stop - head
       head = stop
+    del tombs[:j]
+    self.ntomb -= skipped
     self.head = head
     return out
 
@@ -314,12 +348,9 @@ class BlockPool:
     gen = self._gen_np
     for pending, advance in ((self._pending_park, True), (self._pending_unpark, False)):
       if pending:
-        idx = np.frombuffer(b"".join(pending), np.dtype(pending[0].typecode)).astype(np.intp)
+        idx = np.frombuffer(b"".join(pending), self.ids.typecode)
         pending.clear()
-        if advance:
-          gen[idx] += np.uint32(1)
-        else:
-          gen[idx] -= np.uint32(1)
+        (np.add if advance else np.subtract).at(gen, idx, np.uint32(1))
         self._count_stale = True
 
   def share(self, block: int) -> None:
@@ -340,78 +371,99 @@ class BlockPool:
   def is_evictable(self, block: int) -> bool:
     return block in self.evictable
 
-  def park(self, key: Hashable, ids: array, num_published: int | None = None) -> None:
-    """Puts ``ids`` (an ``array`` of the pool's typecode, in logical order; taken over: the caller must not change
-    it), blocks their one owner gave up and nobody else owns, on the free queue's tail as the group ``key``, last
-    block first (module docstring). Its first ``num_published`` blocks (default: all), those its owner may have
-    published, move to a new generation; the others were never published in theirs (nothing finds them).
-    ``key`` must not be parked already."""
-    self.park_many(((key, ids, len(ids) if num_published is None else num_published),))
+  def park(self, key: Hashable, ids: array) -> None:
+    """Puts ``ids`` (an ``array`` of the pool's typecode, in logical order; taken over: the caller must not use
+    it again), blocks their one owner gave up and nobody else owns, on the free queue's tail as the group
+    ``key``, last block first (module docstring); they move to a new generation (those published are not found
+    while parked). ``key`` must not be parked already."""
+    self.park_many((key,), (ids,))
 
-  def park_many(self, groups) -> None:
-    """``park(key, ids, num_published)`` for each ``(key, ids, num_published)`` of ``groups``, in order."""
+  def park_many(self, keys: list, groups: list) -> None:
+    """``park(key, ids)`` for each ``key`` of ``keys`` and ``ids`` of ``groups``, in order (distinct keys), with
+    one copy onto the queue and one generation update for the batch. Raises ValueError, changing nothing, if a
+    key is parked already."""
+    parked = self.parked
+    if not parked.keys().isdisjoint(keys):
+      raise ValueError(f"park: {[k for k in keys if k in parked]!r} parked already")
     if self._pending_unpark:
       self._apply_generations()
+    lengths = list(map(len, groups))
+    joined = b"".join(groups[::-1])
+    if not joined:
+      return
     free = self.ids
-    parked = self.parked
-    pending = self._pending_park
-    for key, ids, npub in groups:
-      if key in parked:
-        raise ValueError(f"park: {key!r} is parked already")
-      if not ids:
-        continue
-      n = len(ids)
-      npub = n if npub > n else (npub if npub > 0 else 0)
-      parked[key] = (self.base + len(free), n, npub)
-      free += ids[::-1]
-      if npub:
-        pending.append(ids if npub == n else ids[:npub])
+    starts = itertools.accumulate(lengths, initial=self.base + len(free))
+    parked.update(zip(keys, zip(starts, lengths)))
+    if 0 in lengths:  # (an empty group is not parked)
+      for key, n in zip(keys, lengths):
+        if not n:
+          del parked[key]
+    # Each group last block first, the groups in order: the batch reversed (in numpy: one pass).
+    free.frombytes(np.frombuffer(joined, free.typecode)[::-1].tobytes())
+    self._pending_park.append(joined)
 
   def parked_count(self, key: Hashable) -> int:
     """Blocks of group ``key`` the free queue has not handed out yet (0 if none)."""
     g = self.parked.get(key)
-    return 0 if g is None else self._untaken(g[0], g[1])
+    return 0 if g is None else _untaken(g[0], g[1], self.base + self.head)
 
   def unpark(self, key: Hashable) -> array:
     """What is left of group ``key`` (a prefix of the ids parked, in order; the queue hands out its tail first),
     now owned by the caller again (found again if published before parking); an empty array if nothing is
     left."""
-    g = self.parked.pop(key, None)
-    if g is None:
-      return array(self.ids.typecode)
-    start, m, npub = g
-    k = self._untaken(start, m)
-    self.parked_evictions += m - k
-    if not k:
-      return array(self.ids.typecode)
-    if self._pending_park:
-      self._apply_generations()
-    ids = self.ids
-    lo = start + m - k - self.base
-    hi = start + m - self.base
-    out = ids[lo:hi][::-1]
-    if lo == self.head:
-      self.head = hi  # what is left starts at the head: the queue simply moves past it
-    else:
-      ids[lo:hi] = array(ids.typecode, bytes(ids.itemsize * k))  # a hole: take skips it (tombs)
-      bisect.insort(self.tombs, [lo + self.base, hi + self.base])
-      self.ntomb += k
-    if npub:
-      self._pending_unpark.append(out[:npub])  # (a copy)
-    return out
+    got = self.unpark_many((key,))
+    return got[key] if got else array(self.ids.typecode)
 
   def parked_counts(self, keys) -> list[int]:
     """``parked_count`` of each of ``keys``, in order."""
-    return [self.parked_count(key) for key in keys]
+    get = self.parked.get
+    pos = self.base + self.head
+    return [0 if g is None else _untaken(g[0], g[1], pos) for g in map(get, keys)]
 
   def unpark_many(self, keys) -> dict:
-    """``unpark`` of each of ``keys`` that has a group (distinct keys), in order: key -> what is left of it."""
-    return {key: self.unpark(key) for key in keys if key in self.parked}
-
-  def _untaken(self, start: int, m: int) -> int:
-    """Of ``m`` blocks parked from absolute position ``start``, those the free queue has not handed out."""
-    left = start + m - self.base - self.head
-    return m if left > m else (left if left > 0 else 0)
+    """``unpark`` of each of ``keys`` that has a group (distinct keys), in order: key -> what is left of it (an
+    empty array when the queue handed out all of it). Each group's untaken blocks leave a hole in the queue
+    (``tombs``); holes are merged with the ones already there in one sort."""
+    parked = self.parked
+    ids = self.ids
+    base = self.base
+    pos = base + self.head  # absolute position of the queue's head
+    typecode = ids.typecode
+    zeros = array(typecode, bytes(ids.itemsize * 64))
+    pending = self._pending_unpark
+    out = {}
+    holes = []
+    taken = 0
+    for key in keys:
+      g = parked.pop(key, None)
+      if g is None:
+        continue
+      start, m = g
+      end = start + m
+      k = _untaken(start, m, pos)  # the group's leading (logical) part
+      taken += m - k
+      if not k:
+        out[key] = array(typecode)
+        continue
+      if self._pending_park:  # (parked ids change generation before any moves back)
+        self._apply_generations()
+      lo = end - k - base
+      hi = end - base
+      got = ids[lo:hi]
+      got.reverse()
+      out[key] = got
+      if len(zeros) < k:
+        zeros = array(typecode, bytes(ids.itemsize * k))
+      ids[lo:hi] = zeros[:k] if k < len(zeros) else zeros  # a hole: take skips it
+      holes.append([lo + base, hi + base])
+      pending.append(got[:])  # (a copy: the caller owns got)
+    self.parked_evictions += taken
+    if holes:
+      tombs = self.tombs
+      tombs += holes
+      tombs.sort()
+      self.ntomb += sum([t1 - t0 for t0, t1 in holes])
+    return out
 
   def drop_parked(self, key: Hashable) -> None:
     """Forgets group ``key``: what is left of it stays on the free queue, in its parked generation (never found)."""
@@ -422,8 +474,8 @@ class BlockPool:
     g = self.parked.get(key)
     if g is None:
       return array(self.ids.typecode)
-    start, m, _ = g
-    k = self._untaken(start, m)
+    start, m = g
+    k = _untaken(start, m, self.base + self.head)
     return self.ids[start + m - k - self.base:start + m - self.base][::-1]
 
   def owners(self, block: int) -> int:
@@ -491,6 +543,7 @@ class BlockPool:
       assert not self.published(b), f"free block {b} is still published"
       assert b not in self.refs, f"free block {b} has extra owners"
     assert all(r >= 1 for r in self.refs.values()), "a refs entry below 1"
+    assert all(self.parked_count(key) for key in self.parked), "a parked group handed out entirely, not forgotten"
     parked = [b for key in self.parked for b in self.parked_blocks(key)]
     assert len(set(parked)) == len(parked), "a block parked twice"
     for b in parked:

@@ -15,6 +15,9 @@ mirrors.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
+import operator
 from array import array
 
 from superinfer_jax.kv.block_pool import BlockPool
@@ -262,19 +265,28 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   done = mirrors = 0
   bs = block_size
   refs = device.refs
-  parks = []  # (req_id, blocks, hashed): parked at the end, in order (BlockPool.park_many)
+  park_keys = []  # groups parked at the end, in order (BlockPool.park_many): their request ids and blocks
+  park_groups = []
   req_ids = _distinct(req_ids)
   for req_id in req_ids:  # (checked first: a bad id changes nothing)
     if seqs[req_id].on_host:
       raise ValueError(f"request {req_id!r} is already swapped out")
+  # Fresh host blocks for the shortcuts are read off the free queue's head and consumed before anything else
+  # takes (BlockPool's contract; a host pool never parks, so its queue has no holes); once the queue runs dry,
+  # ``take`` evicts.
+  hfree = host.ids
+  hpos = host.head
   for req_id in req_ids:
     s = seqs[req_id]
     nhost = s.nhost
     hashes = s.hashes
     i = _fast_block(queue, req_id, s, bs)
     if i is None:
+      host.consume(hpos - host.head)  # the general path takes host blocks through the pool: settle first
       dirty = dirty_blocks(s, bs)
-      if _copy_dirty(queue, req_id, s, host, bs, out, dirty) is None:
+      moved = _copy_dirty(queue, req_id, s, host, bs, out, dirty)
+      hpos = host.head
+      if moved is None:
         break
       n = blocks_for(s.num_computed, bs)
       dev = s.dev
@@ -291,10 +303,17 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
         ids = s.host
         h = ids[i]
         if h == NO_BLOCK:
-          got = host.take(1)
-          if got is None:
-            break
-          h = ids[i] = got[0]
+          if hpos == len(hfree):
+            host.consume(hpos - host.head)
+            got = host.take(1)  # evicts
+            hpos = host.head
+            if got is None:
+              break
+            h = got[0]
+          else:
+            h = hfree[hpos]
+            hpos += 1
+          ids[i] = h
           s.nhost += 1
         if s.nwb:  # the block boundary case: its one queue entry is this block
           queue.remove(req_id, s, i)
@@ -308,22 +327,27 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
     dev = s.dev
     if hashes is None:
       device.release(dev[::-1])
+      del dev[:]
     else:
-      n = len(dev)
       k = device.release_shared_run(dev) if refs else 0  # others keep them
-      if k < n and refs and not refs.keys().isdisjoint(dev[k:]):
+      if refs and k < len(dev) and not refs.keys().isdisjoint(dev[k:]):
         nh = min(len(hashes), s.num_computed // bs)  # its full, computed hashed blocks: released one by one
         if nh > k:
           device.release(dev[nh - 1:k - 1 if k else None:-1])  # (tail first)
           k = nh
-      if n > k:  # its hashed blocks may be published (they change generation: not found while parked)
-        parks.append((req_id, dev[k:], min(len(hashes), s.num_computed // bs) - k))
+      park_keys.append(req_id)
+      if k:
+        park_groups.append(dev[k:])
+        del dev[:]
+      else:  # (the column itself is handed over: the pool takes the array)
+        park_groups.append(dev)
+        s.dev = dev[:0]
       s.park_start = k
-    del dev[:]
     mirrors += nhost
     done += 1
-  if parks:
-    device.park_many(parks)
+  host.consume(hpos - host.head)
+  if park_keys:
+    device.park_many(park_keys, park_groups)
   return done, len(srcs) - start, -mirrors
 
 
@@ -349,92 +373,140 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
   if num_new_tokens < 0:
     raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
   bs = block_size
-  lookup_many = device.lookup_many
-  evictable = device.evictable
   req_ids = _distinct(req_ids)
-  for req_id in req_ids:  # (checked first: a bad id changes nothing)
-    if not seqs[req_id].on_host:
-      raise ValueError(f"request {req_id!r} is not swapped out")
-  # Phase 1: which requests fit, in order (nothing moves yet).
-  free_left = device.num_free
-  plan = []  # (req_id, s, found, hits, npark, total, fresh_n)
-  shared = []
-  fresh_total = 0
-  revived = set()  # evictable blocks an earlier request of the batch re-adopts (one free block each, once)
-  parked_counts = device.parked_counts(req_ids)
-  for j, req_id in enumerate(req_ids):
-    s = seqs[req_id]
-    nh = 0 if s.hashes is None else s.park_start  # its blocks before its parked group: found by content
-    if nh:
-      found = lookup_many(s.hashes[:nh])
-      hits = nh - found.count(None)
-      if hits:
-        newly = (evictable.keys() & found) - revived
-        revive = len(newly)
-        revived |= newly
-      else:
-        revive = 0
-    else:
-      found = None
-      hits = revive = 0
-    npark = parked_counts[j]
-    total = (s.num_tokens + num_new_tokens + bs - 1) // bs  # blocks_for (kv/layout.py), inline
-    fresh_n = total - hits - npark
-    need = fresh_n + revive + npark
-    if need > free_left:
-      break
-    free_left -= need
-    if hits:
-      shared += found if hits == nh else [b for b in found if b is not None]
-    plan.append((req_id, s, found, hits, npark, total, fresh_n))
-    fresh_total += fresh_n
-  # Phase 2: the batch's blocks move (a group the queue handed out entirely is forgotten too).
-  if shared:
-    device.share_many(shared)
-  unparked = device.unpark_many([p[0] for p in plan])
-  fresh_all = device.take(fresh_total)
-  # Phase 3: each request's table, in order.
-  srcs = out.srcs
-  dsts = out.dsts
+  batch = [seqs[req_id] for req_id in req_ids]
+  if not all(map(_ON_HOST, batch)):  # (checked first: a bad id changes nothing)
+    bad = next(r for r, s in zip(req_ids, batch) if not s.on_host)
+    raise ValueError(f"request {bad!r} is not swapped out")
+  totals = [(s.num_tokens + num_new_tokens + bs - 1) // bs for s in batch]  # blocks_for (kv/layout.py), inline
+  # Phase 1: which requests fit, in order (nothing moves yet). Most have nothing left on device (their group was
+  # handed out, nothing before it): they need their total; the others (``readopt``) are counted one by one.
+  nparks = device.parked_counts(req_ids)
+  readopt = [j for j, (s, npark) in enumerate(zip(batch, nparks)) if npark or s.park_start]
+  if readopt:
+    fits, found_of, shared = _fit_readopting(batch, totals, nparks, readopt, device)
+  else:
+    fits = bisect.bisect_right(list(itertools.accumulate(totals)), device.num_free)
+    found_of = {}
+  # Phase 2: the batch's blocks move: re-adopted shared runs, its groups unparked, one take for the fresh ones.
+  fresh_counts = totals[:fits]
+  unparked = {}
+  if readopt:
+    if shared:
+      device.share_many(shared)
+    unparked = device.unpark_many(req_ids[:fits])
+    for j, (found, hits) in found_of.items():
+      fresh_counts[j] -= hits + nparks[j]
+  fresh_all = device.take(sum(fresh_counts))
+  # Phase 3: each request's table, in order. The pairs' columns are extended once at the end, from the pieces
+  # collected here (as swap_in_many).
+  src_pieces = []
+  dst_pieces = []
   tables = []
-  mirrors = readopted = 0
-  pos = 0
-  for req_id, s, found, hits, npark, total, fresh_n in plan:
+  mirrors = readopted = pos = 0
+  for j, (s, total, fresh_n) in enumerate(zip(batch, totals, fresh_counts)):
     ids = s.host
     n = len(ids)
-    fresh = fresh_all[pos:pos + fresh_n]
-    pos += fresh_n
-    if found is None:
-      devs = array(DEV_IDS)
-    elif hits == len(found):  # every hashed block found
-      devs = array(DEV_IDS, found)
-    else:
-      devs = array(DEV_IDS, [0]) * len(found)
-      k = 0
-      for i, b in enumerate(found):
-        if b is None:
-          b = fresh[k]
-          k += 1
-          srcs.append(ids[i])
-          dsts.append(b)
-        devs[i] = b
-      fresh = fresh[k:]
-    if npark:
-      devs += unparked[req_id]
-    m = n - len(devs)  # the rest of its blocks: copied into fresh ones
-    if m > 0:
-      srcs += ids[len(devs):n]
-      dsts += fresh[:m]
-      devs += fresh[:m]
-      fresh = fresh[m:]
-    devs += fresh  # the growth's blocks (no host copy)
-    readopted += hits + npark
-    if total > n:
+    end = pos + fresh_n
+    if j in found_of:
+      found, hits = found_of[j]
+      devs = _readopted_table(found, hits, unparked.get(req_ids[j]), ids, fresh_all[pos:end], src_pieces,
+                              dst_pieces)
+      readopted += total - fresh_n
+    else:  # every block copied (as swap_in_many)
+      devs = fresh_all[pos:end]
+      if total > n:
+        src_pieces.append(ids[:n])
+        dst_pieces.append(devs[:n])
+      else:
+        src_pieces.append(ids)
+        dst_pieces.append(devs)
+    pos = end
+    if total > n:  # the new tokens start new blocks: no host copy (and no H2D pair)
       ids += no_block_ids(total - n)
       s.host_tokens += [0] * (total - n)
-    s.dev += devs
+    s.dev += devs  # in place (it was empty)
     s.on_host = False
     s.num_tokens += num_new_tokens
     mirrors += s.nhost
     tables.append(devs)
+  extend_column(out.srcs, src_pieces, HOST_IDS)
+  extend_column(out.dsts, dst_pieces, DEV_IDS)
   return tables, mirrors, readopted
+
+
+_ON_HOST = operator.attrgetter("on_host")
+
+
+def _fit_readopting(batch: list, totals: list, nparks: list, readopt: list, device: BlockPool) -> tuple:
+  """``swap_in_shared``'s phase 1 when some requests (indices ``readopt`` of ``batch``, ascending) may re-adopt
+  blocks: the leading blocks they find by content (``lookup_many``; an evictable one needs a free block, once
+  per batch) and their parked groups (``nparks``; parked blocks count as free already). Returns ``(fits,
+  found_of, shared)``: how many requests fit in order, ``{index: (found, hits)}`` for the re-adopting ones among
+  them (``found``: their lookup, a block or None per leading block; None when nothing was looked up), and the
+  found blocks to share, in order. Changes nothing."""
+  lookup_many = device.lookup_many
+  evictable = device.evictable
+  free_left = device.num_free
+  revived = set()  # evictable blocks an earlier request of the batch re-adopts (one free block each, once)
+  found_of = {}
+  shared = []
+  special = iter(readopt)
+  nxt = next(special)
+  for j, total in enumerate(totals):
+    if j != nxt:
+      if total > free_left:
+        return j, found_of, shared
+      free_left -= total
+      continue
+    nxt = next(special, -1)
+    s = batch[j]
+    nh = 0 if s.hashes is None else s.park_start  # its blocks before its parked group: found by content
+    found = lookup_many(s.hashes[:nh]) if nh else None
+    hits = nh - found.count(None) if nh else 0
+    newly = (evictable.keys() & found) - revived if hits else ()
+    need = total - hits + len(newly)  # (a parked block counts as free already: it needs one too)
+    if need > free_left:
+      return j, found_of, shared
+    free_left -= need
+    if hits:
+      revived |= newly
+      shared += found if hits == nh else [b for b in found if b is not None]
+    found_of[j] = (found, hits)
+  return len(totals), found_of, shared
+
+
+def _readopted_table(found: list | None, hits: int, unparked: array | None, ids: array, fresh: array,
+                     src_pieces: list, dst_pieces: list) -> array:
+  """``swap_in_shared``'s table for one request that re-adopts blocks: its looked-up blocks (``found``, None
+  where not found: those get a fresh block and an H2D pair), then what is left of its parked group
+  (``unparked``), then its ``fresh`` blocks (H2D pairs from its host ids ``ids`` for the blocks it has, none for
+  the growth's). Returns the new device table; its pairs' columns are appended to the piece lists, in order."""
+  if found is None:
+    devs = array(DEV_IDS)
+  elif hits == len(found):  # every hashed block found
+    devs = array(DEV_IDS, found)
+  else:
+    devs = array(DEV_IDS, [0]) * len(found)
+    srcs = array(HOST_IDS)
+    dsts = array(DEV_IDS)
+    k = 0
+    for i, b in enumerate(found):
+      if b is None:
+        b = fresh[k]
+        k += 1
+        srcs.append(ids[i])
+        dsts.append(b)
+      devs[i] = b
+    src_pieces.append(srcs)
+    dst_pieces.append(dsts)
+    fresh = fresh[k:]
+  if unparked:
+    devs += unparked
+  n = len(ids)
+  m = n - len(devs)  # the rest of its blocks: copied into fresh ones
+  if m > 0:
+    src_pieces.append(ids[len(devs):n])
+    dst_pieces.append(fresh[:m])
+  devs += fresh  # (then the growth's blocks: no host copy)
+  return devs

@@ -57,7 +57,7 @@ def test_parked_group_sits_on_the_free_queue_tail_first_and_unparks_what_is_left
   a = p.take(4)                      # blocks 1..4, logical order
   for b, key in zip(a[:3], "abc"):
     p.publish(b, key)
-  p.park("r", a, 3)                  # 3 published blocks change generation; block 4 was never published
+  p.park("r", a)                     # every block changes generation (the 3 published ones are not found)
   assert p.free_ids() == [5, 6, 7, 8, 4, 3, 2, 1] and p.num_free == 8
   assert p.lookup("a") is None and p.lookup("c") is None and p.parked_count("r") == 4  # parked: not found
   assert p.take(5).tolist() == [5, 6, 7, 8, 4]   # the queue reaches the group's tail first
@@ -74,7 +74,7 @@ def test_unparking_a_group_behind_others_leaves_a_hole_takes_skip():
   y = p.take(2)
   p.publish(y[0], "y0")
   p.park("x", x)
-  p.park("y", y, 1)
+  p.park("y", y)
   assert p.free_ids() == [5, 6, 2, 1, 4, 3]
   assert p.unpark("x").tolist() == [1, 2] and p.ntomb == 2  # behind 5, 6: a hole
   assert p.free_ids() == [5, 6, 4, 3] and p.num_free == 4
@@ -88,11 +88,11 @@ def test_a_parked_block_handed_out_is_never_found_under_its_old_key():
   p = _pool(2)
   a = p.take(1)
   p.publish(a[0], "old")
-  p.park("r", a, 1)
+  p.park("r", a)
   got = p.take(1)                    # the free queue's head is block 2, then the parked block 1
   got += p.take(1)
   assert got.tolist() == [2, 1]
-  p.park("e", got[1:], 0)            # its new owner parks and unparks it (never published by it)
+  p.park("e", got[1:])               # its new owner parks and unparks it (never published by it)
   assert p.unpark("e").tolist() == [1]
   assert p.lookup("old") is None and not p.published(1)
   assert p.unpark("r").tolist() == [] and p.parked_evictions == 1  # r lost it to the queue
