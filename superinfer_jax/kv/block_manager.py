@@ -98,8 +98,8 @@ Prefix caching (requests created by ``allocate_prefix`` take part; docs/prefix_c
   * While any block is published or shared (``BlockPool.shared``) or a cached request lives, rotation and
     write-back take the per-request ``*_shared`` paths of ``swap.py`` / ``writeback.py``: a rotated-out cached
     request releases the leading run of its blocks others share and parks the rest, hashed ones included, on
-    the device free queue's tail under its id (``BlockPool.park``: nothing finds them while parked); a swap-in
-    re-adopts, with no copy, what the queue has not handed out yet and its shared run still published;
+    the device free queue's tail as one group whose queue positions it keeps (``BlockPool.park``: nothing finds
+    them while parked); a swap-in re-adopts, with no copy, what the queue has not handed out yet and its shared run still published;
     write-back shares a published host copy.
 
 Mutations:
@@ -361,9 +361,8 @@ class BlockManager:
     """Publishes logical blocks ``first..end-1`` of ``s`` (just full and computed) under their content hashes
     (those that have one; a hash published already by another block of the same content stays with it)."""
     hashes = s.hashes
-    publish = self.device.publish
-    for i in range(first, min(end, len(hashes))):
-      publish(s.dev[i], hashes[i])
+    if first < len(hashes):
+      self.device.publish_many(s.dev[first:end], hashes[first:end])
 
   def mark_computed_next(self, req_ids) -> None:
     """``mark_computed(req_id, num_computed + 1)`` for each id in order (resident requests with an uncomputed
@@ -502,17 +501,17 @@ class BlockManager:
       self.host.release(array(HOST_IDS, [h for h in ids if h != NO_BLOCK]))
 
   def _free_shared(self, req_id: ReqId, s: SeqBlocks) -> None:
-    """``free`` with shared blocks: a swapped-out request's parked group is forgotten (its blocks are on the free
+    """``free`` with shared blocks: a swapped-out request's parked group needs nothing (its blocks are on the free
     queue already, never found again), a resident one's device blocks and either's host blocks released tail
     first (published ones stay findable, in the LRU)."""
     if s.hashes is not None:
       self._ncached -= 1
-      if s.on_host:
-        self.device.drop_parked(req_id)
     if not s.on_host:
       self._mirrors -= s.nhost
       self.device.release(s.dev[::-1])
-    if s.nhost:
+    if s.nhost == len(s.host):
+      self.host.release(s.host[::-1])
+    elif s.nhost:
       self.host.release(array(HOST_IDS, [h for h in reversed(s.host) if h != NO_BLOCK]))
 
   # ---------------------------------------------------------------- prefix caching
@@ -525,12 +524,15 @@ class BlockManager:
       return
     self._host_published = []
     seqs = self.seqs
-    publish = self.host.publish
     bs = self.block_size
+    blocks = []
+    keys = []
     for h, key, req_id, i in pending:
       s = seqs.get(req_id)
       if s is not None and i < len(s.host) and s.host[i] == h and s.host_tokens[i] == bs:
-        publish(h, key)
+        blocks.append(h)
+        keys.append(key)
+    self.host.publish_many(blocks, keys)
 
   def _queue_host_published(self, published: list) -> None:
     """Queues ``(host id, hash, req_id, logical block)`` entries for ``begin_step`` (host tier on)."""

@@ -17,11 +17,14 @@ the hash to the block and ``hash_of`` the block to its hash; ``lookup(hash)`` fi
 changes ownership. When its last owner releases a published block it goes to ``evictable`` (an LRU, oldest
 first) instead of the free queue: it stays findable, and ``share`` re-adopts it with its KV intact.
 
-Parked blocks (rotation). ``park(key, ids)`` puts blocks their one owner gave up (a rotated-out request's
-blocks nobody else owns, in logical order) on the free queue's tail, last block first, and remembers where:
-they count as free and a ``take`` reuses them in queue order (so the group's tail first) with no work of its own.
-``unpark(key)`` takes back what the queue has not handed out yet (a leading part of ``ids``, in order, with its
-KV intact) and leaves a hole in the queue (``tombs``: absolute position ranges a take skips).
+Parked blocks (rotation). ``park(ids)`` puts blocks their one owner gave up (a rotated-out request's blocks
+nobody else owns, in logical order) on the free queue's tail, last block first, and returns where the group
+ends: the group is its absolute queue positions, ``(end, count)``, which the owner keeps (the pool keeps no
+record of it). Parked blocks count as free and a ``take`` reuses them in queue order (so the group's tail first)
+with no work of its own. ``untaken(end, count)`` is what the queue has not handed out yet (the positions past its
+head), and ``unpark(end, count)`` takes it back (a leading part of ``ids``, in order, with its KV intact), leaving
+a hole in the queue (``tombs``: absolute position ranges a take skips). A group the queue has passed needs
+nothing done: its owner finds nothing left.
 
 Validity (why parking costs no per-block Python). Parking and taking never touch ``index`` / ``hash_of``. A block
 is published iff it was published in its current generation: ``pubgen[b] == gen[b]`` (``pubgen`` is moved out
@@ -36,8 +39,7 @@ the published blocks (again, in one numpy pass, after generations moved).
 
 Evictable blocks count as free (``num_free``). A ``take`` that the free queue cannot serve evicts the oldest
 evictable blocks (unpublishing them) into the free queue: blocks that were never published are reused first.
-``evictions`` counts evicted published blocks, ``parked_evictions`` parked blocks reused before their owner
-came back (counted when it does, or never if it finishes first).
+``evictions`` counts evicted published blocks.
 
 The free queue is FIFO: ``release`` appends to the tail, ``take`` pops the head, so the ids handed out depend
 only on the sequence of takes and releases (the scheduler's plan hashes include every id). It is an
@@ -53,7 +55,7 @@ request at a time and would otherwise pay a call per request:
 * Releasing: a caller may extend ``ids`` in place with an ``array`` of the pool's typecode (``ids += dev``),
   which is exactly ``release(dev)``.
 
-These direct paths are valid only while ``shared`` is False (nothing published, parked or with extra owners):
+These direct paths are valid only while ``shared`` is False (nothing published or with extra owners, no holes):
 ``release`` must then run per block and ``take`` may have to evict or skip holes. Nothing outside this module
 assigns either field or changes ``ids`` otherwise. Never touches KV data.
 """
@@ -67,15 +69,18 @@ from typing import Hashable, Iterable
 import numpy as np
 
 
+# ``release`` of at least this many blocks without extra owners runs in numpy (below it a loop is cheaper).
+_BULK = 16
+
 # ``pubgen[b]`` of a block not published: ``gen[b] ^ UNPUBLISHED`` (a generation moves by one per parking or
 # unparking, so it never reaches that value).
 UNPUBLISHED = 0x80000000
 
 
-def _untaken(start: int, m: int, head_pos: int) -> int:
-  """Of ``m`` blocks parked from absolute queue position ``start``, those the free queue (its head at absolute
-  position ``head_pos``) has not handed out yet: the positions from ``head_pos`` on."""
-  left = start + m - head_pos
+def _untaken(end: int, m: int, head_pos: int) -> int:
+  """Of ``m`` blocks parked at the absolute queue positions ``end - m .. end - 1``, those the free queue (its head
+  at absolute position ``head_pos``) has not handed out yet: the positions from ``head_pos`` on."""
+  left = end - head_pos
   return m if left > m else (left if left > 0 else 0)
 
 
@@ -95,14 +100,12 @@ class BlockPool:
     evictable: published blocks nobody owns, oldest first (``OrderedDict`` block -> None).
     refs: block -> owners beyond the first (only blocks with more than one owner).
     evictions: published blocks evicted so far (a ``take`` reused them).
-    parked: key -> ``(start, count)``: its group's absolute queue positions ``start .. start + count - 1``, in
-      queue order (every group is parked at the tail).
     gen, pubgen: ``array('I')`` by block id: a block's generation, and the one it was last published in.
     tombs: sorted ``[start, end)`` absolute position ranges of unparked blocks still in ``ids`` (zeros);
-      ntomb: their total length. parked_evictions: parked blocks reused before their owner came back.
+      ntomb: their total length.
   """
   __slots__ = ("first_id", "num_blocks", "ids", "head", "base", "index", "hash_of", "evictable", "refs",
-               "evictions", "parked", "gen", "pubgen", "tombs", "ntomb", "parked_evictions", "_num_published",
+               "evictions", "gen", "pubgen", "tombs", "ntomb", "_num_published",
                "_count_stale",
                "_gen_np", "_pubgen_np",
                "_pending_park", "_pending_unpark")
@@ -120,7 +123,6 @@ class BlockPool:
     self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
     self.refs: dict[int, int] = {}
     self.evictions = 0
-    self.parked: dict[Hashable, tuple[int, int, int]] = {}
     size = first_id + num_blocks
     self.gen = array("I", bytes(4 * size))
     self.pubgen = array("I", [UNPUBLISHED]) * size
@@ -134,7 +136,6 @@ class BlockPool:
     self._pending_unpark: list = []
     self.tombs: list[list[int]] = []
     self.ntomb = 0
-    self.parked_evictions = 0
 
   @property
   def num_free(self) -> int:
@@ -143,8 +144,9 @@ class BlockPool:
 
   @property
   def shared(self) -> bool:
-    """Some block is published, parked or has more than one owner (the direct ``ids`` paths are off)."""
-    return bool(self.hash_of) or bool(self.refs) or bool(self.parked) or bool(self.ntomb)
+    """Some block is published or has more than one owner, or the queue has holes (the direct ``ids`` paths are
+    off)."""
+    return bool(self.hash_of) or bool(self.refs) or bool(self.ntomb)
 
   def usage(self) -> float:
     """Used fraction in [0, 1]; an empty pool counts as full (1.0)."""
@@ -171,29 +173,11 @@ class BlockPool:
       out = ids[head:end]
       self.head = end
     end = self.head
-    if self.parked:
-      self._forget_taken_groups()
     if end + end >= len(ids):  # the consumed prefix is at least half: compact
       del ids[:end]
       self.base += end
       self.head = 0
     return out
-
-  def _forget_taken_groups(self) -> None:
-    """Forgets the parked groups the free queue has handed out entirely (counted in ``parked_evictions``).
-    ``parked`` is in queue order (every group is parked at the tail), so they are its leading entries."""
-    parked = self.parked
-    pos = self.base + self.head
-    gone = []
-    lost = 0
-    for key, (start, m) in parked.items():
-      if start + m > pos:
-        break
-      gone.append(key)
-      lost += m
-    for key in gone:
-      del parked[key]
-    self.parked_evictions += lost
 
   def _take_around_holes(self, n: int) -> array:
     """``take``'s gather when the queue has holes: the next ``n`` ids past ``head`` that are not in ``tombs``
@@ -240,6 +224,9 @@ class BlockPool:
       self.ids += ids if type(ids) is array else array(self.ids.typecode, ids)
       return
     refs = self.refs
+    if type(ids) is array and len(ids) >= _BULK and refs.keys().isdisjoint(ids):
+      self._release_sole_owned(ids)
+      return
     evictable = self.evictable
     free = self.ids
     gen = self.gen
@@ -260,6 +247,19 @@ class BlockPool:
         evictable[b] = None
       else:
         free.append(b)
+
+  def _release_sole_owned(self, ids: array) -> None:
+    """``release`` of blocks (an ``array`` of the pool's typecode) none of which has extra owners, in bulk: the
+    published ones go to the tail of ``evictable`` and the others to the free queue's tail, each in order."""
+    if self._pending_park or self._pending_unpark:
+      self._apply_generations()
+    idx = np.frombuffer(ids, ids.typecode)
+    published = self._pubgen_np[idx] == self._gen_np[idx]
+    if not published.any():
+      self.ids += ids
+      return
+    self.ids.frombytes(idx[~published].tobytes())
+    self.evictable.update(dict.fromkeys(idx[published].tolist()))
 
   def release_shared_run(self, ids: array) -> int:
     """Gives up one owner of each leading block of ``ids`` that has more than one (a rotated-out request's run of
@@ -320,26 +320,35 @@ class BlockPool:
   def publish(self, block: int, key: Hashable) -> bool:
     """Makes owned ``block`` findable under ``key``. False (no change) if ``key`` is published already
     (another block has that content) or ``block`` is published under another key."""
+    return self.publish_many((block,), (key,)) == 1
+
+  def publish_many(self, blocks, keys) -> int:
+    """``publish(block, key)`` for each ``block`` of ``blocks`` and ``key`` of ``keys``, in order; returns how many
+    were published."""
     if self._pending_park or self._pending_unpark:
       self._apply_generations()
     index = self.index
+    hash_of = self.hash_of
     gen = self.gen
     pubgen = self.pubgen
-    if pubgen[block] == gen[block]:
-      return False  # published under another key
-    other = index.get(key)
-    if other is not None:
-      if pubgen[other] == gen[other]:
-        return False  # another block has that content
-      pubgen[other] = gen[other] ^ UNPUBLISHED  # hidden (parked) and superseded: never found under key again
-    old = self.hash_of.get(block)
-    if old is not None and index.get(old) == block:  # a stale entry of an earlier generation
-      del index[old]
-    index[key] = block
-    self.hash_of[block] = key
-    pubgen[block] = gen[block]
-    self._num_published += 1
-    return True
+    n = 0
+    for block, key in zip(blocks, keys):
+      if pubgen[block] == gen[block]:
+        continue  # published under another key
+      other = index.get(key)
+      if other is not None:
+        if pubgen[other] == gen[other]:
+          continue  # another block has that content
+        pubgen[other] = gen[other] ^ UNPUBLISHED  # hidden (parked) and superseded: never found under key again
+      old = hash_of.get(block)
+      if old is not None and index.get(old) == block:  # a stale entry of an earlier generation
+        del index[old]
+      index[key] = block
+      hash_of[block] = key
+      pubgen[block] = gen[block]
+      n += 1
+    self._num_published += n
+    return n
 
   def _apply_generations(self) -> None:
     """Applies the queued generation moves (at most one kind is queued: ``park`` and ``unpark`` apply the other
@@ -371,79 +380,59 @@ class BlockPool:
   def is_evictable(self, block: int) -> bool:
     return block in self.evictable
 
-  def park(self, key: Hashable, ids: array) -> None:
-    """Puts ``ids`` (an ``array`` of the pool's typecode, in logical order; taken over: the caller must not use
-    it again), blocks their one owner gave up and nobody else owns, on the free queue's tail as the group
-    ``key``, last block first (module docstring); they move to a new generation (those published are not found
-    while parked). ``key`` must not be parked already."""
-    self.park_many((key,), (ids,))
+  @property
+  def head_position(self) -> int:
+    """The absolute queue position of the free queue's head (positions count every id ever released)."""
+    return self.base + self.head
 
-  def park_many(self, keys: list, groups: list) -> None:
-    """``park(key, ids)`` for each ``key`` of ``keys`` and ``ids`` of ``groups``, in order (distinct keys), with
-    one copy onto the queue and one generation update for the batch. Raises ValueError, changing nothing, if a
-    key is parked already."""
-    parked = self.parked
-    if not parked.keys().isdisjoint(keys):
-      raise ValueError(f"park: {[k for k in keys if k in parked]!r} parked already")
+  def park(self, ids: array) -> int:
+    """Puts ``ids`` (an ``array`` of the pool's typecode, in logical order), blocks their one owner gave up and
+    nobody else owns, on the free queue's tail as one group, last block first (module docstring); they move to
+    a new generation (those published are not found while parked). Returns the group's end position: the group
+    is ``(end, len(ids))``, which its owner keeps to unpark it."""
+    return self.park_many((ids,))[0]
+
+  def park_many(self, groups) -> list[int]:
+    """``park`` of each of ``groups``, in order, with one copy onto the queue and one generation update for the
+    batch. Returns their end positions, in order."""
     if self._pending_unpark:
       self._apply_generations()
-    lengths = list(map(len, groups))
-    joined = b"".join(groups[::-1])
-    if not joined:
-      return
     free = self.ids
-    starts = itertools.accumulate(lengths, initial=self.base + len(free))
-    parked.update(zip(keys, zip(starts, lengths)))
-    if 0 in lengths:  # (an empty group is not parked)
-      for key, n in zip(keys, lengths):
-        if not n:
-          del parked[key]
-    # Each group last block first, the groups in order: the batch reversed (in numpy: one pass).
-    free.frombytes(np.frombuffer(joined, free.typecode)[::-1].tobytes())
-    self._pending_park.append(joined)
+    ends = list(itertools.accumulate(map(len, groups), initial=self.base + len(free)))
+    del ends[0]
+    joined = b"".join(groups[::-1])
+    if joined:
+      # Each group last block first, the groups in order: the batch reversed (in numpy: one pass).
+      free.frombytes(np.frombuffer(joined, free.typecode)[::-1].tobytes())
+      self._pending_park.append(joined)
+    return ends
 
-  def parked_count(self, key: Hashable) -> int:
-    """Blocks of group ``key`` the free queue has not handed out yet (0 if none)."""
-    g = self.parked.get(key)
-    return 0 if g is None else _untaken(g[0], g[1], self.base + self.head)
+  def untaken(self, end: int, count: int) -> int:
+    """Blocks of the parked group ``(end, count)`` the free queue has not handed out yet (its leading logical
+    blocks; 0 once the queue has passed its end)."""
+    return _untaken(end, count, self.base + self.head)
 
-  def unpark(self, key: Hashable) -> array:
-    """What is left of group ``key`` (a prefix of the ids parked, in order; the queue hands out its tail first),
-    now owned by the caller again (found again if published before parking); an empty array if nothing is
-    left."""
-    got = self.unpark_many((key,))
-    return got[key] if got else array(self.ids.typecode)
+  def unpark(self, end: int, count: int) -> array:
+    """What is left of the parked group ``(end, count)`` (a leading part of the ids parked, in logical order: the
+    queue hands out its tail first), now owned by the caller again (found again if published before parking);
+    an empty array if nothing is left. A group is unparked at most once."""
+    return self.unpark_many(((end, count),))[0]
 
-  def parked_counts(self, keys) -> list[int]:
-    """``parked_count`` of each of ``keys``, in order."""
-    get = self.parked.get
-    pos = self.base + self.head
-    return [0 if g is None else _untaken(g[0], g[1], pos) for g in map(get, keys)]
-
-  def unpark_many(self, keys) -> dict:
-    """``unpark`` of each of ``keys`` that has a group (distinct keys), in order: key -> what is left of it (an
-    empty array when the queue handed out all of it). Each group's untaken blocks leave a hole in the queue
-    (``tombs``); holes are merged with the ones already there in one sort."""
-    parked = self.parked
+  def unpark_many(self, groups) -> list[array]:
+    """``unpark(end, count)`` of each of ``groups`` (distinct), in order. Each group's untaken blocks leave a hole
+    in the queue (``tombs``; merged with the ones already there in one sort)."""
     ids = self.ids
     base = self.base
-    pos = base + self.head  # absolute position of the queue's head
+    pos = base + self.head
     typecode = ids.typecode
     zeros = array(typecode, bytes(ids.itemsize * 64))
     pending = self._pending_unpark
-    out = {}
+    out = []
     holes = []
-    taken = 0
-    for key in keys:
-      g = parked.pop(key, None)
-      if g is None:
-        continue
-      start, m = g
-      end = start + m
-      k = _untaken(start, m, pos)  # the group's leading (logical) part
-      taken += m - k
+    for end, m in groups:
+      k = _untaken(end, m, pos)
       if not k:
-        out[key] = array(typecode)
+        out.append(array(typecode))
         continue
       if self._pending_park:  # (parked ids change generation before any moves back)
         self._apply_generations()
@@ -451,13 +440,12 @@ class BlockPool:
       hi = end - base
       got = ids[lo:hi]
       got.reverse()
-      out[key] = got
+      out.append(got)
       if len(zeros) < k:
         zeros = array(typecode, bytes(ids.itemsize * k))
       ids[lo:hi] = zeros[:k] if k < len(zeros) else zeros  # a hole: take skips it
       holes.append([lo + base, hi + base])
       pending.append(got[:])  # (a copy: the caller owns got)
-    self.parked_evictions += taken
     if holes:
       tombs = self.tombs
       tombs += holes
@@ -465,18 +453,10 @@ class BlockPool:
       self.ntomb += sum([t1 - t0 for t0, t1 in holes])
     return out
 
-  def drop_parked(self, key: Hashable) -> None:
-    """Forgets group ``key``: what is left of it stays on the free queue, in its parked generation (never found)."""
-    self.parked.pop(key, None)
-
-  def parked_blocks(self, key: Hashable) -> array:
-    """What ``unpark(key)`` would hand back, changing nothing (for tests and debug)."""
-    g = self.parked.get(key)
-    if g is None:
-      return array(self.ids.typecode)
-    start, m = g
-    k = _untaken(start, m, self.base + self.head)
-    return self.ids[start + m - k - self.base:start + m - self.base][::-1]
+  def parked_blocks(self, end: int, count: int) -> array:
+    """What ``unpark(end, count)`` would hand back, changing nothing (for checks, tests and debug)."""
+    k = _untaken(end, count, self.base + self.head)
+    return self.ids[end - k - self.base:end - self.base][::-1]
 
   def owners(self, block: int) -> int:
     """Owners of a block known to be owned (1 + ``refs``)."""
@@ -512,8 +492,8 @@ class BlockPool:
     range, an id queued twice, holes that are not zeros past the head) or the cache's maps disagree (an
     ``index`` entry ``hash_of`` does not confirm, a published block whose entries disagree, ``num_published``
     off, an evictable block unpublished or on the free queue, extra
-    owners of a free block, a published free block, a parked block not on the free queue, published, or in
-    two groups). O(num_blocks); for tests and debug."""
+    owners of a free block, a published free block). Parked groups are checked by whoever holds them
+    (``kv/invariants.py``). O(num_blocks); for tests and debug."""
     self._apply_generations()
     ids, head, base = self.ids, self.head, self.base
     assert 0 <= head <= len(ids), f"free-queue head {head} of {len(ids)}"
@@ -543,8 +523,3 @@ class BlockPool:
       assert not self.published(b), f"free block {b} is still published"
       assert b not in self.refs, f"free block {b} has extra owners"
     assert all(r >= 1 for r in self.refs.values()), "a refs entry below 1"
-    assert all(self.parked_count(key) for key in self.parked), "a parked group handed out entirely, not forgotten"
-    parked = [b for key in self.parked for b in self.parked_blocks(key)]
-    assert len(set(parked)) == len(parked), "a block parked twice"
-    for b in parked:
-      assert b in fset and not self.published(b), f"parked block {b} is not on the free queue, or published"

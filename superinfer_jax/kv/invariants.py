@@ -104,10 +104,15 @@ def _check_free_lists(bm, dev_owners: list[int], host_owners: list[int]) -> None
   for name, pool, owners, lo in (("device", bm.device, dev_owners, 1), ("host", bm.host, host_owners, 0)):
     free = set(pool.free_ids()) | set(pool.evictable)
     assert PADDING_BLOCK not in free or name == "host", "padding block on the free list"
-    for key in pool.parked:
-      s = bm.seqs.get(key)
-      assert name == "device" and s is not None and s.on_host, f"{name} blocks parked for {key!r}, not swapped out"
-      assert set(pool.parked_blocks(key)) <= free, f"{name} blocks parked for {key!r} are not free"
+    if name == "device":
+      parked = []
+      for rid, s in bm.seqs.items():
+        if s.on_host and s.hashes is not None:
+          group = pool.parked_blocks(s.park_end, s.park_count)
+          assert set(group) <= free, f"blocks {group.tolist()} parked for {rid!r} are not free"
+          assert not any(map(pool.published, group)), f"blocks {group.tolist()} parked for {rid!r} are published"
+          parked += group
+      assert len(set(parked)) == len(parked), "a block parked in two groups"
     for b in range(lo, len(owners)):
       n = owners[b]
       assert (b in free) == (n == 0), f"{name} block {b}: free={b in free}, owners={n}"

@@ -247,13 +247,13 @@ def swap_in_many(seqs: dict, device: BlockPool, block_size: int, req_ids, num_ne
 
 def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: WriteBackQueue, block_size: int,
                     req_ids, out: PairList, host_published: list) -> tuple[int, int, int]:
-  """``swap_out_many`` with shared blocks: the same moves and copies (the same shortcuts, ``_fast_block``, with
-  host blocks taken through ``host.take``, which may evict). Device blocks: a request taking no part in prefix
+  """``swap_out_many`` with shared blocks: the same moves and copies (the same shortcuts, ``_fast_block``; fresh
+  host blocks off the free queue's head, then through ``host.take``, which may evict). Device blocks: a request taking no part in prefix
   caching (``SeqBlocks.hashes`` None) releases its blocks, tail first (nobody else owns or finds them). One
   that takes part releases the leading run of its blocks that others share (they keep them) and parks the rest,
-  its alone, as one group under its id (``BlockPool.park``; its published blocks there stay published, not
-  findable while parked), so that ``swap_in_shared`` re-adopts what is still parked; ``SeqBlocks.park_start``
-  is the group's first logical block. Should a block others share come after its first own block (a hash
+  its alone, as one group (``BlockPool.park_many``, one call for the batch; its published blocks there are not
+  findable while parked), so that ``swap_in_shared`` re-adopts what is still parked: ``SeqBlocks.park_start``
+  is the group's first logical block, ``park_end`` / ``park_count`` its queue positions. Should a block others share come after its first own block (a hash
   published first by a third request), its hashed blocks are released one by one (published ones stay
   findable by content) and only the blocks after them parked. Host copies made clean by the swap-out whose
   block has a content hash are appended to ``host_published`` as ``(host id, hash, req_id, logical block)``
@@ -265,7 +265,7 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   done = mirrors = 0
   bs = block_size
   refs = device.refs
-  park_keys = []  # groups parked at the end, in order (BlockPool.park_many): their request ids and blocks
+  park_seqs = []  # groups parked at the end, in order (BlockPool.park_many): their requests and blocks
   park_groups = []
   req_ids = _distinct(req_ids)
   for req_id in req_ids:  # (checked first: a bad id changes nothing)
@@ -335,19 +335,21 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
         if nh > k:
           device.release(dev[nh - 1:k - 1 if k else None:-1])  # (tail first)
           k = nh
-      park_keys.append(req_id)
+      park_seqs.append(s)
       if k:
         park_groups.append(dev[k:])
         del dev[:]
-      else:  # (the column itself is handed over: the pool takes the array)
+      else:  # (the column itself is handed over)
         park_groups.append(dev)
         s.dev = dev[:0]
       s.park_start = k
     mirrors += nhost
     done += 1
   host.consume(hpos - host.head)
-  if park_keys:
-    device.park_many(park_keys, park_groups)
+  if park_seqs:
+    for s, end, group in zip(park_seqs, device.park_many(park_groups), park_groups):
+      s.park_end = end
+      s.park_count = len(group)
   return done, len(srcs) - start, -mirrors
 
 
@@ -362,8 +364,8 @@ def _distinct(req_ids) -> list:
 def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_new_tokens: int,
                    out: PairList) -> tuple[list[array], int, int]:
   """``swap_in_many`` with shared blocks. A logical block whose KV is still on device (before
-  ``SeqBlocks.park_start``: published under its hash, found by ``lookup_many``; from there: still parked under
-  its id, not yet handed out by the free queue) is re-adopted with no copy; the others get a fresh block and an
+  ``SeqBlocks.park_start``: published under its hash, found by ``lookup_many``; from there: in its parked
+  group, not yet handed out by the free queue) is re-adopted with no copy; the others get a fresh block and an
   H2D pair. All-or-nothing per request, in order, stopping at the first the device pool cannot take (each
   counted against what the requests before it take). The batch then moves its blocks at once: re-adopted shared
   runs, every group unparked, and one take for every fresh block (so no request's fresh blocks come out of a
@@ -381,10 +383,10 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
   totals = [(s.num_tokens + num_new_tokens + bs - 1) // bs for s in batch]  # blocks_for (kv/layout.py), inline
   # Phase 1: which requests fit, in order (nothing moves yet). Most have nothing left on device (their group was
   # handed out, nothing before it): they need their total; the others (``readopt``) are counted one by one.
-  nparks = device.parked_counts(req_ids)
-  readopt = [j for j, (s, npark) in enumerate(zip(batch, nparks)) if npark or s.park_start]
+  head = device.head_position
+  readopt = [j for j, s in enumerate(batch) if s.park_start or s.park_end > head]
   if readopt:
-    fits, found_of, shared = _fit_readopting(batch, totals, nparks, readopt, device)
+    fits, found_of, shared = _fit_readopting(batch, totals, readopt, device)
   else:
     fits = bisect.bisect_right(list(itertools.accumulate(totals)), device.num_free)
     found_of = {}
@@ -394,9 +396,10 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
   if readopt:
     if shared:
       device.share_many(shared)
-    unparked = device.unpark_many(req_ids[:fits])
+    back = [j for j in readopt if j < fits]
+    unparked = dict(zip(back, device.unpark_many([(batch[j].park_end, batch[j].park_count) for j in back])))
     for j, (found, hits) in found_of.items():
-      fresh_counts[j] -= hits + nparks[j]
+      fresh_counts[j] -= hits + len(unparked[j])
   fresh_all = device.take(sum(fresh_counts))
   # Phase 3: each request's table, in order. The pairs' columns are extended once at the end, from the pieces
   # collected here (as swap_in_many).
@@ -410,8 +413,7 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
     end = pos + fresh_n
     if j in found_of:
       found, hits = found_of[j]
-      devs = _readopted_table(found, hits, unparked.get(req_ids[j]), ids, fresh_all[pos:end], src_pieces,
-                              dst_pieces)
+      devs = _readopted_table(found, hits, unparked[j], ids, fresh_all[pos:end], src_pieces, dst_pieces)
       readopted += total - fresh_n
     else:  # every block copied (as swap_in_many)
       devs = fresh_all[pos:end]
@@ -438,10 +440,10 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
 _ON_HOST = operator.attrgetter("on_host")
 
 
-def _fit_readopting(batch: list, totals: list, nparks: list, readopt: list, device: BlockPool) -> tuple:
+def _fit_readopting(batch: list, totals: list, readopt: list, device: BlockPool) -> tuple:
   """``swap_in_shared``'s phase 1 when some requests (indices ``readopt`` of ``batch``, ascending) may re-adopt
   blocks: the leading blocks they find by content (``lookup_many``; an evictable one needs a free block, once
-  per batch) and their parked groups (``nparks``; parked blocks count as free already). Returns ``(fits,
+  per batch) and their parked groups (parked blocks count as free already). Returns ``(fits,
   found_of, shared)``: how many requests fit in order, ``{index: (found, hits)}`` for the re-adopting ones among
   them (``found``: their lookup, a block or None per leading block; None when nothing was looked up), and the
   found blocks to share, in order. Changes nothing."""

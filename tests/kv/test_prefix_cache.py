@@ -57,13 +57,15 @@ def test_parked_group_sits_on_the_free_queue_tail_first_and_unparks_what_is_left
   a = p.take(4)                      # blocks 1..4, logical order
   for b, key in zip(a[:3], "abc"):
     p.publish(b, key)
-  p.park("r", a)                     # every block changes generation (the 3 published ones are not found)
+  r = (p.park(a), 4)                 # every block changes generation (the 3 published ones are not found)
+  assert r[0] == p.head_position + 8  # its end: past the 4 free blocks before it and its own 4
   assert p.free_ids() == [5, 6, 7, 8, 4, 3, 2, 1] and p.num_free == 8
-  assert p.lookup("a") is None and p.lookup("c") is None and p.parked_count("r") == 4  # parked: not found
+  assert p.lookup("a") is None and p.lookup("c") is None and p.untaken(*r) == 4  # parked: not found
+  assert p.parked_blocks(*r).tolist() == [1, 2, 3, 4]
   assert p.take(5).tolist() == [5, 6, 7, 8, 4]   # the queue reaches the group's tail first
-  assert p.parked_count("r") == 3
-  assert p.unpark("r").tolist() == [1, 2, 3]     # what is left: a leading part, in order
-  assert p.lookup("a") == 1 and p.lookup("c") == 3 and p.parked_evictions == 1  # found again
+  assert p.untaken(*r) == 3
+  assert p.unpark(*r).tolist() == [1, 2, 3]      # what is left: a leading part, in order
+  assert p.lookup("a") == 1 and p.lookup("c") == 3  # found again
   assert p.free_ids() == [] and p.num_free == 0
   p.check()
 
@@ -73,14 +75,23 @@ def test_unparking_a_group_behind_others_leaves_a_hole_takes_skip():
   x = p.take(2)
   y = p.take(2)
   p.publish(y[0], "y0")
-  p.park("x", x)
-  p.park("y", y)
+  gx, gy = [(end, 2) for end in p.park_many([x, y])]
   assert p.free_ids() == [5, 6, 2, 1, 4, 3]
-  assert p.unpark("x").tolist() == [1, 2] and p.ntomb == 2  # behind 5, 6: a hole
+  assert p.unpark(*gx).tolist() == [1, 2] and p.ntomb == 2  # behind 5, 6: a hole
   assert p.free_ids() == [5, 6, 4, 3] and p.num_free == 4
   assert p.take(3).tolist() == [5, 6, 4]         # skips the hole
   assert p.ntomb == 0 and p.lookup("y0") is None  # y's block 3 still parked
-  assert p.unpark("y").tolist() == [3] and p.lookup("y0") == 3
+  assert p.unpark(*gy).tolist() == [3] and p.lookup("y0") == 3
+  p.check()
+
+
+def test_a_parked_group_the_queue_passed_has_nothing_left():
+  p = _pool(3)
+  g = (p.park(p.take(2)), 2)
+  assert p.take(3).tolist() == [3, 2, 1] and p.untaken(*g) == 0
+  p.release([1, 2, 3])
+  assert p.take(1).tolist() == [1] and p.untaken(*g) == 0  # later positions: never the group's again
+  assert p.unpark(*g).tolist() == [] and p.free_ids() == [2, 3]
   p.check()
 
 
@@ -88,14 +99,14 @@ def test_a_parked_block_handed_out_is_never_found_under_its_old_key():
   p = _pool(2)
   a = p.take(1)
   p.publish(a[0], "old")
-  p.park("r", a)
+  r = (p.park(a), 1)
   got = p.take(1)                    # the free queue's head is block 2, then the parked block 1
   got += p.take(1)
-  assert got.tolist() == [2, 1]
-  p.park("e", got[1:])               # its new owner parks and unparks it (never published by it)
-  assert p.unpark("e").tolist() == [1]
+  assert got.tolist() == [2, 1] and p.untaken(*r) == 0  # r lost it to the queue
+  e = (p.park(got[1:]), 1)           # its new owner parks and unparks it (never published by it)
+  assert p.unpark(*e).tolist() == [1]
   assert p.lookup("old") is None and not p.published(1)
-  assert p.unpark("r").tolist() == [] and p.parked_evictions == 1  # r lost it to the queue
+  assert p.unpark(*r).tolist() == []
   assert p.publish(1, "new") and p.lookup("new") == 1 and p.lookup("old") is None
   p.check()
 
@@ -113,6 +124,12 @@ def test_hashes_chain_and_salts_isolate():
   assert not set(block_hashes(toks, BS, a)) & set(block_hashes(toks, BS, extra_key_of("m")))
   assert not set(block_hashes(toks, BS, extra_key_of("m"))) & set(block_hashes(toks, BS, extra_key_of("m2")))
   assert id_block_hashes([7, 8]) == id_block_hashes([7, 8, 9])[:2]
+
+
+def _parked(bm, rid):
+  """What is left of swapped-out ``rid``'s parked group (its swap-in would re-adopt it)."""
+  s = bm.seqs[rid]
+  return bm.device.parked_blocks(s.park_end, s.park_count)
 
 
 def _admit(bm, rid, toks, total=None):
@@ -209,7 +226,7 @@ def test_rotation_keeps_blocks_others_share_and_parks_the_rest():
   out = PairList.from_columns([], [])
   assert bm.swap_out_to("a", out) == 1                    # the dirty tail
   assert bm.device.owners(a0) == 1 and bm.device.owners(a1) == 1  # b keeps the shared run
-  assert bm.seqs["a"].park_start == 2 and bm.device.parked_blocks("a").tolist() == [a2, a3]
+  assert bm.seqs["a"].park_start == 2 and _parked(bm, "a").tolist() == [a2, a3]
   hashes = block_hashes(toks, BS)
   assert bm.device.lookup(hashes[1]) == a1 and bm.device.lookup(hashes[2]) is None  # parked: not found
   back = h2d_pairs()
@@ -235,7 +252,7 @@ def test_rotation_when_a_shared_block_follows_an_own_one():
   assert dev == 2 and bm.device.owners(a1) == 2
   bm.take_writebacks()
   assert bm.swap_out_to("a", PairList.from_columns([], [])) == 1
-  assert bm.seqs["a"].park_start == 2 and bm.device.parked_blocks("a").tolist() == [a2]
+  assert bm.seqs["a"].park_start == 2 and _parked(bm, "a").tolist() == [a2]
   assert bm.device.owners(a1) == 1 and bm.device.lookup(hashes[1]) == a1  # b keeps it, still found
   back = h2d_pairs()
   assert bm.swap_in_to("a", back) == 3 and len(back) == 0   # c's block 0 and a1 by hash, a2 from its group

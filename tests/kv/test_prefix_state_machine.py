@@ -64,6 +64,13 @@ def system_prefixes(bs: int) -> list[tuple]:
   return [_BASE[:2 * bs], _BASE[:3 * bs], _OTHER[:2 * bs], ()]
 
 
+def _parked_groups(bm) -> dict:
+  """Swapped-out cached request -> what is left of its parked group on the device free queue (its swap-in
+  re-adopts it; empty once the queue handed it out)."""
+  return {rid: bm.device.parked_blocks(s.park_end, s.park_count)
+          for rid, s in bm.seqs.items() if s.on_host and s.hashes is not None}
+
+
 class Req:
   """Shadow of one request: its known tokens (prompt, then sampled ones) and their KV values."""
   __slots__ = ("tokens", "prompt_len", "hashes", "cap", "vals", "sampled")
@@ -138,9 +145,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                          s.num_computed, s.on_host, s.nwb) for r, s in bm.seqs.items()))
     pools = tuple((tuple(p.free_ids()), tuple(p.evictable), tuple(sorted(p.refs.items())),
                    tuple(sorted(p.published_items().items(), key=repr)),
-                   tuple((k, tuple(p.parked_blocks(k))) for k in p.parked))
+)
                   for p in (bm.device, bm.host))
-    return seqs, pools, tuple(bm.writebacks), len(self.d2h), len(self.h2d), bm.reclaimable_host_blocks()
+    parked = tuple(sorted(((repr(r), tuple(g)) for r, g in _parked_groups(bm).items())))
+    return seqs, pools, parked, tuple(bm.writebacks), len(self.d2h), len(self.h2d), bm.reclaimable_host_blocks()
 
   def _resident(self):
     """Resident requests not touched in the open step (so every token of theirs is computed)."""
@@ -488,7 +496,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         del self.expect[rid]
         self.done_ids.append(rid)
         self.stats["finished_between_steps"] += 1
-    parked = {b for rid in bm.device.parked for b in bm.device.parked_blocks(rid)}
+    parked = {b for group in _parked_groups(bm).values() for b in group}
     for b in bm.device.free_ids():
       if b not in parked:  # a parked block keeps its KV until the queue hands it out (poisoned then)
         self.dev[b] = [POISON] * bs
@@ -530,10 +538,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
       assert got == self._expected_block(key), f"device block {b} findable under a hash, holds {got}"
     # A rotated-out request's parked blocks (re-adopted by its swap-in with no copy) hold its KV: they are its
     # computed logical blocks from its park_start on, in order.
-    for rid in bm.device.parked:
-      group = bm.device.parked_blocks(rid)
-      s = bm.seqs.get(rid)
-      assert s is not None and s.on_host, f"blocks {group.tolist()} parked for {rid!r}, not swapped out"
+    for rid, group in _parked_groups(bm).items():
+      s = bm.seqs[rid]
       nh = s.park_start
       for j, b in enumerate(group):
         i = nh + j
@@ -574,7 +580,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     for name, pool, own in (("device", bm.device, dev_own), ("host", bm.host, host_own)):
       free = pool.free_ids()
       evictable = set(pool.evictable)
-      parked = [b for k in pool.parked for b in pool.parked_blocks(k)]
+      parked = [b for g in _parked_groups(bm).values() for b in g] if name == "device" else []
       fset = set(free)
       pset = set(parked)
       assert len(fset) == len(free) and len(pset) == len(parked)
