@@ -94,7 +94,7 @@ class BlockPool:
       ``tombs`` (zeros).
     head: index of the free queue's head in ``ids``; base: the absolute position of ``ids[0]`` (positions count
       every id ever released, so a parked group's place survives compaction).
-    index: key -> block; ``hash_of``: block -> key. A block is published (under ``hash_of[b]``, and ``index``
+    index: key -> block; ``hash_of``: a list by block id, its key (None if it never had one). A block is published (under ``hash_of[b]``, and ``index``
       maps that key back to it) iff ``pubgen[b] == gen[b]`` (``published``); other entries are stale.
     num_published: blocks published (a property: counted again, one numpy pass, after generations moved).
     evictable: published blocks nobody owns, oldest first (``OrderedDict`` block -> None).
@@ -119,7 +119,7 @@ class BlockPool:
     self.head = 0
     self.base = 0
     self.index: dict[Hashable, int] = {}
-    self.hash_of: dict[int, Hashable] = {}
+    self.hash_of: list = [None] * (first_id + num_blocks)  # a list, not a dict: churn never resizes it
     self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
     self.refs: dict[int, int] = {}
     self.evictions = 0
@@ -146,7 +146,7 @@ class BlockPool:
   def shared(self) -> bool:
     """Some block is published or has more than one owner, or the queue has holes (the direct ``ids`` paths are
     off)."""
-    return bool(self.hash_of) or bool(self.refs) or bool(self.ntomb)
+    return bool(self.index) or bool(self.refs) or bool(self.ntomb)
 
   def usage(self) -> float:
     """Used fraction in [0, 1]; an empty pool counts as full (1.0)."""
@@ -220,7 +220,7 @@ class BlockPool:
     tail, or, when published, to the tail of ``evictable`` (so a caller releasing a request's blocks tail
     first has its tail evicted first). One copy when nothing is shared (an ``array`` of the pool's typecode).
     The caller must own each id (once per occurrence)."""
-    if not (self.hash_of or self.refs):
+    if not (self.index or self.refs):
       self.ids += ids if type(ids) is array else array(self.ids.typecode, ids)
       return
     refs = self.refs
@@ -292,10 +292,10 @@ class BlockPool:
     last generation update stay hidden (a rotation batch's swap-ins look up with one update at its end)."""
     if self._pending_park:
       self._apply_generations()
-    found = list(map(self.index.get, keys))
+    get = self.index.get
     gen = self.gen
     pubgen = self.pubgen
-    return [b if b is not None and pubgen[b] == gen[b] else None for b in found]
+    return [b if (b := get(key)) is not None and pubgen[b] == gen[b] else None for key in keys]
 
   def published(self, block: int) -> bool:
     """``block`` is published (under ``hash_of[block]``; module docstring)."""
@@ -340,7 +340,7 @@ class BlockPool:
         if pubgen[other] == gen[other]:
           continue  # another block has that content
         pubgen[other] = gen[other] ^ UNPUBLISHED  # hidden (parked) and superseded: never found under key again
-      old = hash_of.get(block)
+      old = hash_of[block]
       if old is not None and index.get(old) == block:  # a stale entry of an earlier generation
         del index[old]
       index[key] = block
@@ -472,7 +472,8 @@ class BlockPool:
     gen = self.gen
     for _ in range(n):
       b = evictable.popitem(last=False)[0]
-      del index[hash_of.pop(b)]
+      del index[hash_of[b]]
+      hash_of[b] = None
       pubgen[b] = gen[b] ^ UNPUBLISHED
       free.append(b)
     self.evictions += n
@@ -503,11 +504,12 @@ class BlockPool:
     bad = [b for b in free if not lo <= b < hi]
     assert not bad, f"free queue holds ids {bad[:8]} outside [{lo}, {hi})"
     for key, b in self.index.items():
-      assert self.hash_of.get(b) == key, f"block {b} indexed under {key!r} but hash_of says {self.hash_of.get(b)!r}"
+      assert self.hash_of[b] == key, f"block {b} indexed under {key!r} but hash_of says {self.hash_of[b]!r}"
     published = [b for b in range(lo, hi) if self.published(b)]
     assert len(published) == self.num_published, f"num_published {self.num_published} != {len(published)}"
     for b in published:
-      assert self.index.get(self.hash_of.get(b)) == b, f"published block {b}: its entries disagree"
+      assert self.hash_of[b] is not None and self.index.get(self.hash_of[b]) == b, (
+          f"published block {b}: its entries disagree")
     end = base + head
     for t0, t1 in self.tombs:
       assert end <= t0 < t1 <= base + len(ids), f"hole [{t0}, {t1}) outside the queue or overlapping"

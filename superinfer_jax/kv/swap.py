@@ -329,8 +329,9 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
       device.release(dev[::-1])
       del dev[:]
     else:
+      n = len(dev)
       k = device.release_shared_run(dev) if refs else 0  # others keep them
-      if refs and k < len(dev) and not refs.keys().isdisjoint(dev[k:]):
+      if refs and k < n and not refs.keys().isdisjoint(dev[k:]):
         nh = min(len(hashes), s.num_computed // bs)  # its full, computed hashed blocks: released one by one
         if nh > k:
           device.release(dev[nh - 1:k - 1 if k else None:-1])  # (tail first)
@@ -343,13 +344,13 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
         park_groups.append(dev)
         s.dev = dev[:0]
       s.park_start = k
+      s.park_count = n - k
     mirrors += nhost
     done += 1
   host.consume(hpos - host.head)
   if park_seqs:
-    for s, end, group in zip(park_seqs, device.park_many(park_groups), park_groups):
+    for s, end in zip(park_seqs, device.park_many(park_groups)):
       s.park_end = end
-      s.park_count = len(group)
   return done, len(srcs) - start, -mirrors
 
 
@@ -466,13 +467,16 @@ def _fit_readopting(batch: list, totals: list, readopt: list, device: BlockPool)
     nh = 0 if s.hashes is None else s.park_start  # its blocks before its parked group: found by content
     found = lookup_many(s.hashes[:nh]) if nh else None
     hits = nh - found.count(None) if nh else 0
-    newly = (evictable.keys() & found) - revived if hits else ()
-    need = total - hits + len(newly)  # (a parked block counts as free already: it needs one too)
+    newly = None
+    if hits and evictable and not evictable.keys().isdisjoint(found):
+      newly = (evictable.keys() & found) - revived
+    need = total - hits + (len(newly) if newly else 0)  # (a parked block counts as free already: it needs one too)
     if need > free_left:
       return j, found_of, shared
     free_left -= need
     if hits:
-      revived |= newly
+      if newly:
+        revived |= newly
       shared += found if hits == nh else [b for b in found if b is not None]
     found_of[j] = (found, hits)
   return len(totals), found_of, shared
