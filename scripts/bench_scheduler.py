@@ -275,11 +275,13 @@ def main(argv):
     raise app.UsageError("--baseline_no_caching needs --shared_prefixes > 0 (else caching never engages)")
   baseline = F.policy + NO_CACHING if F.baseline_no_caching else F.baseline
   rows, summary = compare(F.policy, baseline if baseline != F.policy else "", F.repeats, F.seed)
-  if summary is not None and F.count_opcodes > 0 and not F.baseline_no_caching:
-    ops = {p: replay.schedule_opcodes(p, scenario_from_flags(), F.warmup, F.count_opcodes, F.seed)
-           for p in (F.policy, F.baseline)}
-    summary.update(opcodes_per_step=round(ops[F.policy], 1), baseline_opcodes_per_step=round(ops[F.baseline], 1),
-                   opcode_ratio=round(ops[F.policy] / ops[F.baseline], 3))
+  if summary is not None and F.count_opcodes > 0:
+    ops = {p: replay.schedule_opcodes(p.removesuffix(NO_CACHING),
+                                      scenario_from_flags(caching=not p.endswith(NO_CACHING)),
+                                      F.warmup, F.count_opcodes, F.seed)
+           for p in (F.policy, baseline)}
+    summary.update(opcodes_per_step=round(ops[F.policy], 1), baseline_opcodes_per_step=round(ops[baseline], 1),
+                   opcode_ratio=round(ops[F.policy] / ops[baseline], 3))
   for row in rows:
     print(json.dumps(row))
   if summary is not None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import operator
 from array import array
 
 from superinfer_jax.kv.block_pool import BlockPool
@@ -377,15 +376,20 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
     raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
   bs = block_size
   req_ids = _distinct(req_ids)
-  batch = [seqs[req_id] for req_id in req_ids]
-  if not all(map(_ON_HOST, batch)):  # (checked first: a bad id changes nothing)
-    bad = next(r for r, s in zip(req_ids, batch) if not s.on_host)
-    raise ValueError(f"request {bad!r} is not swapped out")
-  totals = [(s.num_tokens + num_new_tokens + bs - 1) // bs for s in batch]  # blocks_for (kv/layout.py), inline
   # Phase 1: which requests fit, in order (nothing moves yet). Most have nothing left on device (their group was
   # handed out, nothing before it): they need their total; the others (``readopt``) are counted one by one.
   head = device.head_position
-  readopt = [j for j, s in enumerate(batch) if s.park_start or s.park_end > head]
+  batch = []
+  totals = []
+  readopt = []
+  for req_id in req_ids:  # (checked first: a bad id changes nothing)
+    s = seqs[req_id]
+    if not s.on_host:
+      raise ValueError(f"request {req_id!r} is not swapped out")
+    if s.park_start or s.park_end > head:
+      readopt.append(len(batch))
+    batch.append(s)
+    totals.append((s.num_tokens + num_new_tokens + bs - 1) // bs)  # blocks_for (kv/layout.py), inline
   if readopt:
     fits, found_of, shared = _fit_readopting(batch, totals, readopt, device)
   else:
@@ -408,11 +412,13 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
   dst_pieces = []
   tables = []
   mirrors = readopted = pos = 0
-  for j, (s, total, fresh_n) in enumerate(zip(batch, totals, fresh_counts)):
+  j = -1
+  for s, total, fresh_n in zip(batch, totals, fresh_counts):
+    j += 1
     ids = s.host
     n = len(ids)
     end = pos + fresh_n
-    if j in found_of:
+    if found_of and j in found_of:
       found, hits = found_of[j]
       devs = _readopted_table(found, hits, unparked[j], ids, fresh_all[pos:end], src_pieces, dst_pieces)
       readopted += total - fresh_n
@@ -436,9 +442,6 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
   extend_column(out.srcs, src_pieces, HOST_IDS)
   extend_column(out.dsts, dst_pieces, DEV_IDS)
   return tables, mirrors, readopted
-
-
-_ON_HOST = operator.attrgetter("on_host")
 
 
 def _fit_readopting(batch: list, totals: list, readopt: list, device: BlockPool) -> tuple:
