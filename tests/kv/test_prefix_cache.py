@@ -37,6 +37,37 @@ def test_lru_order_and_never_published_blocks_first():
   p.check()
 
 
+def test_releasing_many_blocks_in_bulk_keeps_both_orders():
+  """A release of many blocks without extra owners (a finished request's) sorts them in one pass: the published
+  ones into the LRU and the others onto the free queue, each in the order released, as one by one would."""
+  p = _pool(40)
+  a = p.take(20)                     # blocks 1..20
+  p.publish_many(a[::3], [f"k{b}" for b in a[::3]])   # 1, 4, 7, ..., 19 published
+  p.share(4)                         # block 4 gains an owner: this release cannot go in bulk
+  one_by_one = _pool(40)
+  one_by_one.take(20)
+  one_by_one.publish_many(a[::3], [f"k{b}" for b in a[::3]])
+  rest = a[4:][::-1]                 # 20..5, tail first: none with extra owners (>= 16 of them: the bulk path)
+  p.release(rest)
+  for b in rest:
+    one_by_one.release([b])
+  assert list(p.evictable) == list(one_by_one.evictable) == [19, 16, 13, 10, 7]
+  assert p.free_ids() == one_by_one.free_ids() and p.free_ids()[-3:] == [8, 6, 5]
+  assert p.owners(4) == 2 and p.num_published == 7
+  p.release([4])
+  assert p.owners(4) == 1 and 4 not in p.evictable   # its extra owner went first (the per-block path)
+  p.check()
+
+
+def test_publish_many_counts_what_it_published():
+  p = _pool(4)
+  a = p.take(3)
+  assert p.publish_many(a, ["x", "y", "x"]) == 2     # the third: "x" is published already (block 1)
+  assert p.publish_many([a[0]], ["z"]) == 0          # block 1 is published under another key
+  assert p.published_items() == {"x": 1, "y": 2} and p.num_published == 2
+  p.check()
+
+
 def test_shared_block_freed_only_by_its_last_owner():
   p = _pool(3)
   b = p.take(1)[0]
