@@ -99,8 +99,8 @@ Prefix caching (requests created by ``allocate_prefix`` take part; docs/prefix_c
     write-back take the per-request ``*_shared`` paths of ``swap.py`` / ``writeback.py``: a rotated-out cached
     request releases the leading run of its blocks others share and parks the rest, hashed ones included, on
     the device free queue's tail as one group whose queue positions it keeps (``BlockPool.park``: nothing finds
-    them while parked); a swap-in re-adopts, with no copy, what the queue has not handed out yet and its shared run still published;
-    write-back shares a published host copy.
+    them while parked); a swap-in re-adopts, with no copy, what the queue has not handed out yet and its
+    shared run still published; write-back shares a published host copy.
 
 Mutations:
   * ``append_slots(req_id, num_new_tokens) -> bool``: grow a resident (or new: the first call creates the
@@ -428,8 +428,10 @@ class BlockManager:
 
     Returns ``(k, pairs)``: the first ``k`` requests are swapped out (their D2H pairs, ``pairs`` in all, are
     appended to ``out`` in order); ``req_ids[k]``, if any, is unchanged (host pool too small). The
-    scheduler rotates a step's victims out with one call.
+    scheduler rotates a step's victims out with one call. Raises ValueError, changing nothing, if an id repeats
+    or is swapped out already.
     """
+    req_ids = self._batch(req_ids, False)
     if self._sharing:
       published = []
       done, moved, mirrors = swap.swap_out_shared(self.seqs, self.device, self.host, self.writebacks,
@@ -440,6 +442,18 @@ class BlockManager:
                                                 self.block_size, req_ids, out)
     self._mirrors += mirrors
     return done, moved
+
+  def _batch(self, req_ids, on_host: bool) -> list:
+    """``req_ids`` as a list, each a request swapped out (``on_host``) or resident (not): a rotation batch's
+    ids, checked before anything moves. Raises ValueError if one is in the other state or an id repeats."""
+    ids = list(req_ids)
+    seqs = self.seqs
+    for req_id in ids:
+      if seqs[req_id].on_host != on_host:
+        raise ValueError(f"request {req_id!r} is " + ("not swapped out" if on_host else "already swapped out"))
+    if len(set(ids)) != len(ids):
+      raise ValueError(f"request ids repeat in one batch: {ids}")
+    return ids
 
   def swap_in(self, req_id: ReqId) -> PairList | None:
     """Brings a swapped request back; H2D pairs for every block, or None (device pool too small)."""
@@ -469,8 +483,12 @@ class BlockManager:
     """``swap_in_grow(req_id, num_new_tokens, out)`` for each (distinct) id in order, stopping at the first
     the device pool cannot take. Returns the new block tables of those swapped in (a prefix of ``req_ids``;
     fresh arrays); their H2D pairs are appended to ``out`` in order. The device blocks are exactly those the
-    calls one by one would take. The scheduler rotates a step's requests in with one call.
+    calls one by one would take. The scheduler rotates a step's requests in with one call. Raises ValueError,
+    changing nothing, if an id repeats or is not swapped out, or ``num_new_tokens`` < 0.
     """
+    if num_new_tokens < 0:
+      raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+    req_ids = self._batch(req_ids, True)
     if self._sharing:
       tables, mirrors, readopted = swap.swap_in_shared(self.seqs, self.device, self.block_size, req_ids,
                                                        num_new_tokens, out)

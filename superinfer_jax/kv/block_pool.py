@@ -33,8 +33,8 @@ hidden). Parking a block advances its generation and unparking moves it back, so
 what its owner takes back is found again, and a block the queue hands out while parked never is under its old
 key (its new owners may park and unpark it, but its generation never returns to the one it was published in;
 ``publish`` starts anew). Generations move in batches: ``park`` / ``unpark`` queue the ids, and the next read
-applies them with one numpy operation (parked blocks before anything can find them or a take hands them out;
-``lookup_many``, the swap-in batch's lookup, leaves unparked ones hidden until then). ``num_published`` counts
+applies them with one numpy operation (before anything can find a block or a take hands one out; a swap-in
+batch looks up before it unparks). ``num_published`` counts
 the published blocks (again, in one numpy pass, after generations moved).
 
 Evictable blocks count as free (``num_free``). A ``take`` that the free queue cannot serve evicts the oldest
@@ -50,14 +50,14 @@ it is deleted (amortized O(1) per block; the live queue's order never changes).
 Public fields (part of the contract): ``ids`` and ``head``, for the rotation hot paths, which move blocks one
 request at a time and would otherwise pay a call per request:
 
-* Taking: a caller may read ``ids[head + k]`` for ``k < num_free`` itself and then remove the ``k`` ids it used
-  with one ``consume(k)``; no ``take``, ``release`` or ``consume`` may come in between.
+* Taking: a caller may read ``ids[head + k]`` for ``k < len(ids) - head`` itself and then remove the ``k`` ids
+  it used with one ``consume(k)``; no ``take``, ``release`` or ``consume`` may come in between. Valid while the
+  queue has no holes (``ntomb == 0``; a host pool never has any): past the queue's end only ``take`` can evict.
 * Releasing: a caller may extend ``ids`` in place with an ``array`` of the pool's typecode (``ids += dev``),
-  which is exactly ``release(dev)``.
+  which is exactly ``release(dev)``, only while ``shared`` is False (nothing published or with extra owners, no
+  holes): ``release`` must then sort blocks into the LRU or keep counts.
 
-These direct paths are valid only while ``shared`` is False (nothing published or with extra owners, no holes):
-``release`` must then run per block and ``take`` may have to evict or skip holes. Nothing outside this module
-assigns either field or changes ``ids`` otherwise. Never touches KV data.
+Nothing outside this module assigns either field or changes ``ids`` otherwise. Never touches KV data.
 """
 from __future__ import annotations
 
@@ -94,8 +94,9 @@ class BlockPool:
       ``tombs`` (zeros).
     head: index of the free queue's head in ``ids``; base: the absolute position of ``ids[0]`` (positions count
       every id ever released, so a parked group's place survives compaction).
-    index: key -> block; ``hash_of``: a list by block id, its key (None if it never had one). A block is published (under ``hash_of[b]``, and ``index``
-      maps that key back to it) iff ``pubgen[b] == gen[b]`` (``published``); other entries are stale.
+    index: key -> block; ``hash_of``: a list by block id, its key (None if it has none). A block is published
+      (under ``hash_of[b]``, and ``index`` maps that key back to it) iff ``pubgen[b] == gen[b]``
+      (``published``); other entries are stale.
     num_published: blocks published (a property: counted again, one numpy pass, after generations moved).
     evictable: published blocks nobody owns, oldest first (``OrderedDict`` block -> None).
     refs: block -> owners beyond the first (only blocks with more than one owner).
@@ -213,7 +214,7 @@ class BlockPool:
     itself: ``take`` with its result discarded (one definition of taking). Raises ValueError, changing nothing,
     if fewer than ``n`` are free."""
     if self.take(n) is None:
-      raise ValueError(f"consume {n} blocks: {len(self.ids) - self.head} free")
+      raise ValueError(f"consume {n} blocks: {self.num_free} free")
 
   def release(self, ids: Iterable[int]) -> None:
     """Gives up one owner of each of ``ids``, in order. A block left without owners goes to the free queue's
@@ -288,9 +289,8 @@ class BlockPool:
     return b
 
   def lookup_many(self, keys) -> list:
-    """``lookup`` of each of ``keys``, in order (a list of blocks or None), except that blocks unparked since the
-    last generation update stay hidden (a rotation batch's swap-ins look up with one update at its end)."""
-    if self._pending_park:
+    """``lookup`` of each of ``keys``, in order (a list of blocks or None)."""
+    if self._pending_park or self._pending_unpark:
       self._apply_generations()
     get = self.index.get
     gen = self.gen
@@ -352,8 +352,7 @@ class BlockPool:
 
   def _apply_generations(self) -> None:
     """Applies the queued generation moves (at most one kind is queued: ``park`` and ``unpark`` apply the other
-    first): parked ids advance, unparked ids move back. No id is queued twice (a take applies queued parks
-    before it can hand a parked block out to be parked again)."""
+    first): parked ids advance, unparked ids move back (``np.add.at``: an id queued twice moves twice)."""
     gen = self._gen_np
     for pending, advance in ((self._pending_park, True), (self._pending_unpark, False)):
       if pending:

@@ -1,8 +1,9 @@
 """Rotation of whole requests between the device and host pools: swap-out and swap-in, as plain functions.
 
 What goes in: the per-request columns (``seqs``: req_id -> ``SeqBlocks``), the device and host ``BlockPool``s,
-the ``WriteBackQueue``, the block size, the requests to move and the caller's ``PairList`` to append copy pairs
-to. What comes out: how many requests moved, the pairs (appended to the ``PairList`` column-wise: D2H
+the ``WriteBackQueue``, the block size, the requests to move (distinct ids, each in the state its move needs:
+the block manager checks a batch before it calls) and the caller's ``PairList`` to append copy pairs to. What
+comes out: how many requests moved, the pairs (appended to the ``PairList`` column-wise: D2H
 ``(device, host)`` for swap-out, H2D ``(host, device)`` for swap-in) and how the number of host mirrors (host
 blocks held by resident requests) changed, which the block manager keeps. Every move is all-or-nothing per
 request, in order, stopping at the first request the target pool cannot take (ordering contract 4 of
@@ -45,8 +46,6 @@ def swap_out_many(seqs: dict, device: BlockPool, host: BlockPool, queue: WriteBa
   done = mirrors = 0
   for req_id in req_ids:
     s = seqs[req_id]
-    if s.on_host:
-      raise ValueError(f"request {req_id!r} is already swapped out")
     nhost = s.nhost  # its host blocks so far stop being mirrors of a resident request
     i = _fast_block(queue, req_id, s, bs)
     if i is None:
@@ -197,8 +196,6 @@ def swap_in_many(seqs: dict, device: BlockPool, block_size: int, req_ids, num_ne
   host blocks became clean mirrors (all of theirs). The device blocks are the free queue's head, in the order
   one request at a time would take them (its swap-in's, then its growth's).
   """
-  if num_new_tokens < 0:
-    raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
   bs = block_size
   srcs = out.srcs
   start = len(srcs)
@@ -212,8 +209,6 @@ def swap_in_many(seqs: dict, device: BlockPool, block_size: int, req_ids, num_ne
   dst_pieces = []
   for req_id in req_ids:
     s = seqs[req_id]
-    if not s.on_host:
-      raise ValueError(f"request {req_id!r} is not swapped out")
     ids = s.host
     tokens = s.num_tokens + num_new_tokens
     end = head + (tokens + bs - 1) // bs  # blocks_for (kv/layout.py), inline: once per request swapped in
@@ -246,18 +241,18 @@ def swap_in_many(seqs: dict, device: BlockPool, block_size: int, req_ids, num_ne
 
 def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: WriteBackQueue, block_size: int,
                     req_ids, out: PairList, host_published: list) -> tuple[int, int, int]:
-  """``swap_out_many`` with shared blocks: the same moves and copies (the same shortcuts, ``_fast_block``; fresh
-  host blocks off the free queue's head, then through ``host.take``, which may evict). Device blocks: a request taking no part in prefix
-  caching (``SeqBlocks.hashes`` None) releases its blocks, tail first (nobody else owns or finds them). One
-  that takes part releases the leading run of its blocks that others share (they keep them) and parks the rest,
-  its alone, as one group (``BlockPool.park_many``, one call for the batch; its published blocks there are not
-  findable while parked), so that ``swap_in_shared`` re-adopts what is still parked: ``SeqBlocks.park_start``
-  is the group's first logical block, ``park_end`` / ``park_count`` its queue positions. Should a block others share come after its first own block (a hash
-  published first by a third request), its hashed blocks are released one by one (published ones stay
-  findable by content) and only the blocks after them parked. Host copies made clean by the swap-out whose
-  block has a content hash are appended to ``host_published`` as ``(host id, hash, req_id, logical block)``
-  (the block manager publishes them a step later: ordering). Returns ``(k, pairs, mirrors)`` as
-  ``swap_out_many``. Raises ValueError, changing nothing, if an id repeats or is swapped out already."""
+  """``swap_out_many`` with shared blocks: the same moves and copies (the same shortcuts, ``_fast_block``; fresh host
+  blocks off the free queue's head, then through ``host.take``, which may evict). Device blocks: a request taking no
+  part in prefix caching (``SeqBlocks.hashes`` None) releases its blocks, tail first (nobody else owns or finds
+  them). One that takes part releases the leading run of its blocks that others share (they keep them) and parks the
+  rest, its alone, as one group (``BlockPool.park_many``, one call for the batch; its published blocks there are not
+  findable while parked), so that ``swap_in_shared`` re-adopts what is still parked: ``SeqBlocks.park_start`` is the
+  group's first logical block, ``park_end`` / ``park_count`` its queue positions. Should a block others share come
+  after its first own block (a hash published first by a third request), its hashed blocks are released one by one
+  (published ones stay findable by content) and only the blocks after them parked. Host copies made clean by the
+  swap-out whose block has a content hash are appended to ``host_published`` as ``(host id, hash, req_id, logical
+  block)`` (the block manager publishes them a step later: ordering). Returns ``(k, pairs, mirrors)`` as
+  ``swap_out_many``."""
   srcs = out.srcs
   dsts = out.dsts
   start = len(srcs)
@@ -266,10 +261,6 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   refs = device.refs
   park_seqs = []  # groups parked at the end, in order (BlockPool.park_many): their requests and blocks
   park_groups = []
-  req_ids = _distinct(req_ids)
-  for req_id in req_ids:  # (checked first: a bad id changes nothing)
-    if seqs[req_id].on_host:
-      raise ValueError(f"request {req_id!r} is already swapped out")
   # Fresh host blocks for the shortcuts are read off the free queue's head and consumed before anything else
   # takes (BlockPool's contract; a host pool never parks, so its queue has no holes); once the queue runs dry,
   # ``take`` evicts.
@@ -353,14 +344,6 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   return done, len(srcs) - start, -mirrors
 
 
-def _distinct(req_ids) -> list:
-  """``req_ids`` as a list; ValueError if an id repeats (a batch moves each request once)."""
-  ids = list(req_ids)
-  if len(set(ids)) != len(ids):
-    raise ValueError(f"request ids repeat in one batch: {ids}")
-  return ids
-
-
 def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_new_tokens: int,
                    out: PairList) -> tuple[list[array], int, int]:
   """``swap_in_many`` with shared blocks. A logical block whose KV is still on device (before
@@ -370,22 +353,16 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
   counted against what the requests before it take). The batch then moves its blocks at once: re-adopted shared
   runs, every group unparked, and one take for every fresh block (so no request's fresh blocks come out of a
   later one's group), handed out in request order. Returns ``(tables, mirrors, readopted)``: as
-  ``swap_in_many``, plus the blocks re-adopted. Raises ValueError, changing nothing, if an id repeats or is
-  not swapped out."""
-  if num_new_tokens < 0:
-    raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+  ``swap_in_many``, plus the blocks re-adopted."""
   bs = block_size
-  req_ids = _distinct(req_ids)
   # Phase 1: which requests fit, in order (nothing moves yet). Most have nothing left on device (their group was
   # handed out, nothing before it): they need their total; the others (``readopt``) are counted one by one.
   head = device.head_position
   batch = []
   totals = []
   readopt = []
-  for req_id in req_ids:  # (checked first: a bad id changes nothing)
+  for req_id in req_ids:
     s = seqs[req_id]
-    if not s.on_host:
-      raise ValueError(f"request {req_id!r} is not swapped out")
     if s.park_start or s.park_end > head:
       readopt.append(len(batch))
     batch.append(s)

@@ -453,6 +453,26 @@ def _random_manager(rng, dev, host, bs, n):
   return bm
 
 
+def test_a_bad_rotation_batch_changes_nothing_without_caching():
+  """A batch with a repeated id or one in the wrong state raises before anything moves (the plain paths read
+  the free queues directly: a raise midway would leave blocks read but not taken)."""
+  bm = BlockManager(12, 16, 4)
+  for rid in ("a", "b", "c"):
+    assert bm.append_slots(rid, 6)
+    bm.mark_computed(rid, 6)
+  bm.swap_out("c")
+  before = _bm_state(bm)
+  for batch in (["a", "b", "a"], ["a", "c"]):
+    with pytest.raises(ValueError):
+      bm.swap_out_many(batch, PairList())
+    assert _bm_state(bm) == before
+  for batch in (["c", "c"], ["c", "a"]):
+    with pytest.raises(ValueError):
+      bm.swap_in_many(batch, 1, PairList())
+    assert _bm_state(bm) == before
+  bm.check_invariants()
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_batched_swaps_equal_one_by_one(seed):
   """swap_out_many / swap_in_many take the same blocks, emit the same pairs and stop where one call at a

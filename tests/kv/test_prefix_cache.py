@@ -310,6 +310,27 @@ def test_a_bad_rotation_batch_changes_nothing():
   bm.check_invariants()
 
 
+def test_a_shared_run_unparked_by_an_earlier_batch_is_found_by_the_next():
+  """a parks everything (its blocks are its own once b released the shared run); swapping a in takes them back,
+  and b's swap-in in a later batch re-adopts its shared run from a with no copy."""
+  bm = BlockManager(16, 16, BS)
+  toks = list(range(30, 30 + 2 * BS + 1))
+  _admit(bm, "a", toks)
+  _admit(bm, "b", toks)                                   # shares a's two full blocks
+  bm.take_writebacks()
+  bm.begin_step()
+  assert bm.swap_out_many(["b"], PairList.from_columns([], []))[0] == 1 and bm.seqs["b"].park_start == 2
+  assert bm.swap_out_many(["a"], PairList.from_columns([], []))[0] == 1
+  bm.take_writebacks()
+  bm.begin_step()
+  assert len(bm.swap_in_many(["a"], 0, h2d_pairs())) == 1
+  back = h2d_pairs()
+  assert len(bm.swap_in_many(["b"], 0, back)) == 1
+  assert bm.block_table("b")[:2] == bm.block_table("a")[:2]   # re-adopted: the same blocks,
+  assert len(back) == 0                                     # and its tail from its own parked group
+  bm.check_invariants()
+
+
 def test_a_swap_in_batch_counts_a_shared_revival_once():
   """Two requests of one swap-in batch re-adopt the same evictable block: it takes one free block, not two."""
   bm = BlockManager(6, 16, BS)
