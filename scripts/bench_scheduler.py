@@ -45,15 +45,15 @@ objects; block pairs are ``PairList`` int columns, not tuples) cross its thresho
 ``mean_ms``/``p99_ms``. ``gc_mean_ms`` is the CPU time those collections took per timed step, and
 ``p99_ms_ex_gc`` the p99 of the per-step CPU time minus its GC time: the scheduler's own work.
 
-``--count_opcodes=K`` (default 0: off) adds ``opcodes_per_step`` / ``baseline_opcodes_per_step`` and
-``opcode_ratio`` to the summary: the mean number of bytecode instructions one ``schedule()`` call executes
-(``sched.replay.count_opcodes``, ``sys.settrace`` opcode events), over ``K`` traced calls of a fresh replay
-per policy after ``--warmup`` steps (with ``--baseline_no_caching``: the policy with caching on and off).
-Unlike the timings it does not move with machine load (same state, same count), so it shows a change in the scheduler's Python work on a noisy box. It is not the whole cost: work
-inside C functions counts as one instruction (a list copy, ``sum(map(...))``), and cache misses count nothing,
-so the time ratio runs above it. Do not optimise for it: moving per-element work into ``map(attrgetter(...))``
-lowers the count but costs more machine instructions than a comprehension; judge hot-path changes by
-callgrind instructions.
+``--count_opcodes=K`` (default 0: off) adds ``opcodes_per_step`` / ``baseline_opcodes_per_step`` and ``opcode_ratio``
+to the summary: the mean number of bytecode instructions one ``schedule()`` call executes
+(``sched.replay.count_opcodes``, ``sys.settrace`` opcode events), over ``K`` traced calls of a fresh replay per policy
+after ``--warmup`` steps (with ``--baseline_no_caching``: the policy with caching on and off). Unlike the timings it
+does not move with machine load (same state, same count), so it shows a change in the scheduler's Python work on a
+noisy box. It is not the whole cost: work inside C functions counts as one instruction (a list copy,
+``sum(map(...))``), and cache misses count nothing, so the time ratio runs above it. Do not optimise for it: moving
+per-element work into ``map(attrgetter(...))`` lowers the count but costs more machine instructions than a
+comprehension; judge hot-path changes by callgrind instructions.
 
 ``--shared_prefixes=K`` gives every request block hashes (prefix caching engages: its first
 ``--prefix_blocks`` blocks are one of ``K`` shared prefixes); ``--baseline_no_caching`` then times the policy

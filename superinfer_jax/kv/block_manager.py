@@ -1,11 +1,11 @@
 """KV block manager: device and host block pools, per-request block tables, clean/dirty host copies.
 
-Host-side bookkeeping only (pure Python; no JAX; numpy only for the block pools' batched generation updates,
-one per rotation batch). It decides *which* blocks
-hold a request's KV and returns the copy lists the rotation engine (DuplexKV, ``superinfer_jax/rotation``)
-must execute; it never touches KV data itself. Copy lists are ``PairList``s (``kv/pairs.py``): sequences of
-``(src, dst)`` block-id pairs that read like a list of 2-tuples but are stored as two int columns (``srcs``,
-``dsts``), so moving thousands of blocks per step allocates no per-pair tuple.
+Host-side bookkeeping only (pure Python; no JAX; numpy only inside the block pools, for batched work: a rotation
+batch's generation update and queue copy, a bulk release). It decides *which* blocks hold a request's KV and returns
+the copy lists the rotation engine (DuplexKV, ``superinfer_jax/rotation``) must execute; it never touches KV data
+itself. Copy lists are ``PairList``s (``kv/pairs.py``): sequences of ``(src, dst)`` block-id pairs that read like a
+list of 2-tuples but are stored as two int columns (``srcs``, ``dsts``), so moving thousands of blocks per step
+allocates no per-pair tuple.
 
 Pools
 -----

@@ -1,10 +1,10 @@
 """``BlockPool``: one tier's blocks (device or host) and its FIFO free queue.
 
 What goes in: the tier's id range (``first_id .. first_id + num_blocks - 1``) and the id typecode. What comes out:
-block ids, ``take(n)`` from the head of the free queue (all ``n`` or, when fewer are free, None and no change)
-and ``release(ids)`` to its tail, in order. The device
-pool is ``BlockPool(1, num_device_blocks, DEV_IDS)`` (``PADDING_BLOCK``, 0, is outside its range and so never
-handed out: ``kv/layout.py``); the host pool is ``BlockPool(0, num_host_blocks, HOST_IDS)``.
+block ids, ``take(n)`` from the head of the free queue (all ``n`` or, when fewer are free, None and no change) and
+``release(ids)`` to its tail, in order. The device pool is ``BlockPool(1, num_device_blocks, DEV_IDS)``
+(``PADDING_BLOCK``, 0, is outside its range and so never handed out: ``kv/layout.py``); the host pool is
+``BlockPool(0, num_host_blocks, HOST_IDS)``.
 
 Ownership rule: a block off the free queue is owned by one or more (request, logical block) slots of the block
 manager's per-request columns (``kv/block_seq.py``). One owner is the common case and costs nothing: the count
@@ -26,16 +26,15 @@ head), and ``unpark(end, count)`` takes it back (a leading part of ``ids``, in o
 a hole in the queue (``tombs``: absolute position ranges a take skips). A group the queue has passed needs
 nothing done: its owner finds nothing left.
 
-Validity (why parking costs no per-block Python). Parking and taking never touch ``index`` / ``hash_of``. A block
-is published iff it was published in its current generation: ``pubgen[b] == gen[b]`` (``pubgen`` is moved out
-of reach, ``UNPUBLISHED`` away, when its entries go: eviction, or another block taking its key while it was
-hidden). Parking a block advances its generation and unparking moves it back, so a parked block is never found,
-what its owner takes back is found again, and a block the queue hands out while parked never is under its old
-key (its new owners may park and unpark it, but its generation never returns to the one it was published in;
-``publish`` starts anew). Generations move in batches: ``park`` / ``unpark`` queue the ids, and the next read
-applies them with one numpy operation (before anything can find a block or a take hands one out; a swap-in
-batch looks up before it unparks). ``num_published`` counts
-the published blocks (again, in one numpy pass, after generations moved).
+Validity (why parking costs no per-block Python). Parking and taking never touch ``index`` / ``hash_of``. A block is
+published iff it was published in its current generation: ``pubgen[b] == gen[b]`` (``pubgen`` is moved out of reach,
+``UNPUBLISHED`` away, when its entries go: eviction, or another block taking its key while it was hidden). Parking a
+block advances its generation and unparking moves it back, so a parked block is never found, what its owner takes
+back is found again, and a block the queue hands out while parked never is under its old key (its new owners may
+park and unpark it, but its generation never returns to the one it was published in; ``publish`` starts anew).
+Generations move in batches: ``park`` / ``unpark`` queue the ids, and the next read applies them with one numpy
+operation (before anything can find a block or a take hands one out; a swap-in batch looks up before it unparks).
+``num_published`` counts the published blocks (again, in one numpy pass, after generations moved).
 
 Evictable blocks count as free (``num_free``). A ``take`` that the free queue cannot serve evicts the oldest
 evictable blocks (unpublishing them) into the free queue: blocks that were never published are reused first.
@@ -424,7 +423,8 @@ class BlockPool:
     base = self.base
     pos = base + self.head
     typecode = ids.typecode
-    zeros = array(typecode, bytes(ids.itemsize * 64))
+    if self._pending_park:  # (parked ids change generation before any moves back)
+      self._apply_generations()
     pending = self._pending_unpark
     out = []
     holes = []
@@ -433,16 +433,12 @@ class BlockPool:
       if not k:
         out.append(array(typecode))
         continue
-      if self._pending_park:  # (parked ids change generation before any moves back)
-        self._apply_generations()
       lo = end - k - base
       hi = end - base
       got = ids[lo:hi]
       got.reverse()
       out.append(got)
-      if len(zeros) < k:
-        zeros = array(typecode, bytes(ids.itemsize * k))
-      ids[lo:hi] = zeros[:k] if k < len(zeros) else zeros  # a hole: take skips it
+      ids[lo:hi] = array(typecode, bytes(ids.itemsize * k))  # a hole (zeros): take skips it
       holes.append([lo + base, hi + base])
       pending.append(got[:])  # (a copy: the caller owns got)
     if holes:

@@ -162,7 +162,6 @@ def take_writebacks_shared(queue: WriteBackQueue, seqs: dict, host: BlockPool, b
   # pool never parks, so its queue has no holes); only when the queue runs dry does ``take`` evict.
   hfree = host.ids
   hpos = host.head
-  direct = not host.ntomb
   for key in wb:
     req_id, i = key
     s = seqs[req_id]
@@ -184,13 +183,12 @@ def take_writebacks_shared(queue: WriteBackQueue, seqs: dict, host: BlockPool, b
         if avail <= 0:
           break
         avail -= 1
-        if direct and hpos < len(hfree):
+        if hpos < len(hfree):
           h = hfree[hpos]
           hpos += 1
         else:
           host.consume(hpos - host.head)
-          h = host.take(1)[0]
-          hfree = host.ids
+          h = host.take(1)[0]  # evicts
           hpos = host.head
         s.host[i] = h
         s.nhost += 1
