@@ -68,6 +68,30 @@ def test_publish_many_counts_what_it_published():
   p.check()
 
 
+def test_index_shards_stay_small_and_exact_under_churn():
+  # A pool of 5000 blocks gets 8 shards (<= 1024 keys each on average); one of 1024 blocks one. Every block
+  # published, then evicted and published again under a new key, round after round: each key in its shard, the
+  # entry count exact, every current key found, no evicted key found, no shard past twice its share.
+  assert len(BlockPool(1, 1024, DEV_IDS).index) == 1
+  p = BlockPool(0, 5000, DEV_IDS)
+  assert len(p.index) == 8 and p.index_mask == 7
+  keys = iter(id_block_hashes(range(5000 * 4)))
+  owned = p.take(5000)
+  current = dict(zip(owned.tolist(), (next(keys) for _ in range(5000))))
+  p.publish_many(owned, [current[b] for b in owned])
+  old = []
+  for _ in range(3):
+    p.release(owned)                      # all published: to the LRU
+    owned = p.take(5000)                  # every one evicted
+    old += current.values()
+    current = dict(zip(owned.tolist(), (next(keys) for _ in range(5000))))
+    assert p.publish_many(owned, [current[b] for b in owned]) == 5000
+    p.check()                             # each key in its shard, index_entries exact
+    assert p.index_entries == 5000 and max(map(len, p.index)) <= 2 * 5000 // 8
+  assert p.lookup_many(list(current.values())) == list(current)
+  assert p.lookup_many(old[::97]) == [None] * len(old[::97])
+
+
 def test_shared_block_freed_only_by_its_last_owner():
   p = _pool(3)
   b = p.take(1)[0]
