@@ -114,8 +114,9 @@ class Replay:
     self._tok_rng = random.Random(seed + 1)
     self._prefix_rng = random.Random(seed + 2)  # its own stream: the request stream stays the same
     self.clock = VirtualClock()
-    self.bm = BlockManager(sc.device_blocks, sc.host_blocks, sc.block_size)
     self.config = SchedulerConfig(**{**sc.config, "policy": policy})
+    self.bm = BlockManager(sc.device_blocks, sc.host_blocks, sc.block_size,
+                           host_prefix_cache=self.config.host_prefix_cache)
     self.sched = Scheduler(self.config, self.bm, self.clock, policy_obj)
     self.digest = hashlib.sha256()
     self._next_id = 0

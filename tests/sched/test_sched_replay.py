@@ -113,3 +113,19 @@ def test_opcode_count_is_deterministic_and_sees_the_rotation_work():
   result, n = replay.count_opcodes(three)
   assert result == 3 and n > 0 and replay.count_opcodes(lambda: three() + three())[1] > 2 * n - 1
   assert sys.gettrace() is None and gc.isenabled()  # the tracer is gone and the GC runs again
+
+
+def test_replay_honours_the_host_tier_knob():
+  # With shared prefixes both replays take part in prefix caching; only the one with the host tier on publishes
+  # host copies (the block manager gets the scenario's host_prefix_cache).
+  base = dataclasses.replace(replay.SCENARIOS["bench"], shared_prefixes=4, prefix_blocks=4)
+  published = {}
+  for host_tier in (True, False):
+    sc = dataclasses.replace(base, config={**base.config, "host_prefix_cache": host_tier})
+    rp = replay.Replay("rotasched", sc, 0)
+    for _ in range(60):
+      rp.complete(rp.schedule())
+    assert rp.bm.host_prefix_cache is host_tier
+    published[host_tier] = (rp.bm.num_cached_requests, rp.bm.host.num_published)
+  assert published[True][0] > 0 and published[False][0] > 0
+  assert published[True][1] > 0 and published[False][1] == 0
