@@ -41,7 +41,7 @@ class SeqBlocks:
   """One request's logical blocks (parallel columns, indexed by logical block; ``dev`` is empty while the
   request is swapped out, so ``len(host)`` is the block count in both states)."""
   __slots__ = ("dev", "host", "host_tokens", "num_tokens", "num_computed", "on_host", "nwb", "nhost", "hashes",
-               "park_start", "park_end", "park_count")
+               "park_start", "park_end")
 
   def __init__(self):
     self.dev = array(DEV_IDS)  # device block ids
@@ -55,11 +55,16 @@ class SeqBlocks:
     # Content hashes of its full prompt blocks (``kv/prefix_hash.py``), or None: the request takes no part in
     # prefix caching (nothing of it is published, looked up or re-adopted).
     self.hashes: tuple | None = None
-    # Swapped out with prefix caching (kv/swap.py): its first logical block parked, and its parked group on the
-    # device free queue, ``(park_end, park_count)`` (``BlockPool.park``); stale while resident.
+    # Swapped out with prefix caching (kv/swap.py): its first logical block parked, and where its parked group
+    # (``park_count`` blocks) ends on the device free queue (``BlockPool.park``); stale while resident.
     self.park_start = 0
     self.park_end = 0
-    self.park_count = 0
+
+  @property
+  def park_count(self) -> int:
+    """Blocks of its parked group: its logical blocks from ``park_start`` on (a swapped-out request has one per
+    computed block, and each of them from ``park_start`` on was parked). Stale while resident."""
+    return len(self.host) - self.park_start
 
 
 def computed_in_block(s: SeqBlocks, i: int, block_size: int) -> int:

@@ -247,7 +247,8 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   them). One that takes part releases the leading run of its blocks that others share (they keep them) and parks the
   rest, its alone, as one group (``BlockPool.park_many``, one call for the batch; its published blocks there are not
   findable while parked), so that ``swap_in_shared`` re-adopts what is still parked: ``SeqBlocks.park_start`` is the
-  group's first logical block, ``park_end`` / ``park_count`` its queue positions. Should a block others share come
+  group's first logical block, ``park_end`` / ``park_count`` its queue positions (the group: every logical block
+  from ``park_start`` on). Should a block others share come
   after its first own block (a hash published first by a third request), its hashed blocks are released one by one
   (published ones stay findable by content) and only the blocks after them parked. Host copies made clean by the
   swap-out whose block has a content hash are appended to ``host_published`` as ``(host id, hash, req_id, logical
@@ -319,9 +320,8 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
       device.release(dev[::-1])
       del dev[:]
     else:
-      n = len(dev)
       k = device.release_shared_run(dev) if refs else 0  # others keep them
-      if refs and k < n and not refs.keys().isdisjoint(dev[k:]):
+      if refs and k < len(dev) and not refs.keys().isdisjoint(dev[k:]):
         nh = min(len(hashes), s.num_computed // bs)  # its full, computed hashed blocks: released one by one
         if nh > k:
           device.release(dev[nh - 1:k - 1 if k else None:-1])  # (tail first)
@@ -333,8 +333,7 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
       else:  # (the column itself is handed over)
         park_groups.append(dev)
         s.dev = dev[:0]
-      s.park_start = k
-      s.park_count = n - k
+      s.park_start = k  # (its group: the rest, SeqBlocks.park_count)
     mirrors += nhost
     done += 1
   host.consume(hpos - host.head)
