@@ -357,15 +357,10 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
   # Phase 1: which requests fit, in order (nothing moves yet). Most have nothing left on device (their group was
   # handed out, nothing before it): they need their total; the others (``readopt``) are counted one by one.
   head = device.head_position
-  batch = []
-  totals = []
-  readopt = []
-  for req_id in req_ids:
-    s = seqs[req_id]
-    if s.park_start or s.park_end > head:
-      readopt.append(len(batch))
-    batch.append(s)
-    totals.append((s.num_tokens + num_new_tokens + bs - 1) // bs)  # blocks_for (kv/layout.py), inline
+  batch = [seqs[req_id] for req_id in req_ids]
+  up = num_new_tokens + bs - 1
+  totals = [(s.num_tokens + up) // bs for s in batch]  # blocks_for (kv/layout.py), inline
+  readopt = [j for j, s in enumerate(batch) if s.park_start or s.park_end > head]
   if readopt:
     fits, found_of, shared = _fit_readopting(batch, totals, readopt, device)
   else:
