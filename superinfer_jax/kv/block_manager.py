@@ -361,8 +361,8 @@ class BlockManager:
     """Publishes logical blocks ``first..end-1`` of ``s`` (just full and computed) under their content hashes
     (those that have one; a hash published already by another block of the same content stays with it)."""
     hashes = s.hashes
-    if first < len(hashes):
-      self.device.publish_many(s.dev[first:end], hashes[first:end])
+    if first < len(hashes) and self.device.publish_many(s.dev[first:end], hashes[first:end]):
+      s.dev_published = True
 
   def mark_computed_next(self, req_ids) -> None:
     """``mark_computed(req_id, num_computed + 1)`` for each id in order (resident requests with an uncomputed
@@ -607,6 +607,7 @@ class BlockManager:
     fresh = dev_pool.take(total - device_hits)
     s = self.seqs[req_id] = SeqBlocks()
     s.hashes = hashes
+    s.dev_published = device_hits > 0
     self._ncached += 1
     s.dev += array(DEV_IDS, hit_dev)
     s.dev += fresh

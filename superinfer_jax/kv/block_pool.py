@@ -29,7 +29,8 @@ nothing done: its owner finds nothing left.
 Validity (why parking costs no per-block Python). Parking and taking never touch ``index`` / ``hash_of``. A block is
 published iff it was published in its current generation: ``pubgen[b] == gen[b]`` (``pubgen`` is moved out of reach,
 ``UNPUBLISHED`` away, when its entries go: eviction, or another block taking its key while it was hidden). Parking a
-block advances its generation and unparking moves it back, so a parked block is never found, what its owner takes
+block advances its generation and unparking moves it back (a group its owner knows holds no published block skips
+both: ``park_many``'s ``hidden``), so a parked block is never found, what its owner takes
 back is found again, and a block the queue hands out while parked never is under its old key (its new owners may
 park and unpark it, but its generation never returns to the one it was published in; ``publish`` starts anew).
 Generations move in batches: ``park`` / ``unpark`` queue the ids, and the next read applies them with one numpy
@@ -71,22 +72,6 @@ import numpy as np
 # ``release`` of at least this many blocks without extra owners runs in numpy (below it a loop is cheaper).
 _BULK = 16
 
-# The key -> block map is split by ``hash(key)`` into dicts of about this many entries at most (a power of two of
-# them: ``_num_shards``). Keys churn (a block published again drops its old key, an eviction drops one), so a dict
-# is rebuilt whenever its deleted slots use up its table: one dict of a whole pool's keys would rebuild O(pool) in
-# one call, into a fresh table whose pages the kernel faults in one by one; small tables are rebuilt often, each
-# O(_SHARD_ENTRIES), from memory the allocator reuses.
-_SHARD_ENTRIES = 1024
-
-
-def _num_shards(num_blocks: int) -> int:
-  """Index shards for a pool of ``num_blocks`` (a pool has at most one key per block): a power of two."""
-  n = 1
-  while n * _SHARD_ENTRIES < num_blocks:
-    n += n
-  return n
-
-
 # ``pubgen[b]`` of a block not published: ``gen[b] ^ UNPUBLISHED`` (a generation moves by one per parking or
 # unparking, so it never reaches that value).
 UNPUBLISHED = 0x80000000
@@ -109,9 +94,8 @@ class BlockPool:
       ``tombs`` (zeros).
     head: index of the free queue's head in ``ids``; base: the absolute position of ``ids[0]`` (positions count
       every id ever released, so a parked group's place survives compaction).
-    index: key -> block, as shards (a list of dicts; a key's is ``index[hash(key) & index_mask]``);
-      ``index_entries``: their total size; ``hash_of``: a list by block id, its key (None if it has none). A block
-      is published (under ``hash_of[b]``, and ``index`` maps that key back to it) iff ``pubgen[b] == gen[b]``
+    index: key -> block; ``hash_of``: a list by block id, its key (None if it has none). A block is published
+      (under ``hash_of[b]``, and ``index`` maps that key back to it) iff ``pubgen[b] == gen[b]``
       (``published``); other entries are stale.
     num_published: blocks published (a property: counted again, one numpy pass, after generations moved).
     evictable: published blocks nobody owns, oldest first (``OrderedDict`` block -> None).
@@ -121,8 +105,8 @@ class BlockPool:
     tombs: sorted ``[start, end)`` absolute position ranges of unparked blocks still in ``ids`` (zeros);
       ntomb: their total length.
   """
-  __slots__ = ("first_id", "num_blocks", "ids", "head", "base", "index", "index_mask", "index_entries", "hash_of",
-               "evictable", "refs", "evictions", "gen", "pubgen", "tombs", "ntomb", "_num_published",
+  __slots__ = ("first_id", "num_blocks", "ids", "head", "base", "index", "hash_of", "evictable", "refs",
+               "evictions", "gen", "pubgen", "tombs", "ntomb", "_num_published",
                "_count_stale",
                "_gen_np", "_pubgen_np",
                "_pending_park", "_pending_unpark")
@@ -135,10 +119,7 @@ class BlockPool:
     self.ids = array(typecode, range(first_id, first_id + num_blocks))
     self.head = 0
     self.base = 0
-    shards = _num_shards(num_blocks)
-    self.index: list[dict[Hashable, int]] = [{} for _ in range(shards)]
-    self.index_mask = shards - 1
-    self.index_entries = 0
+    self.index: dict[Hashable, int] = {}
     self.hash_of: list = [None] * (first_id + num_blocks)  # a list, not a dict: churn never resizes it
     self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
     self.refs: dict[int, int] = {}
@@ -166,7 +147,7 @@ class BlockPool:
   def shared(self) -> bool:
     """Some block is published or has more than one owner, or the queue has holes (the direct ``ids`` paths are
     off)."""
-    return bool(self.index_entries) or bool(self.refs) or bool(self.ntomb)
+    return bool(self.index) or bool(self.refs) or bool(self.ntomb)
 
   def usage(self) -> float:
     """Used fraction in [0, 1]; an empty pool counts as full (1.0)."""
@@ -240,7 +221,7 @@ class BlockPool:
     tail, or, when published, to the tail of ``evictable`` (so a caller releasing a request's blocks tail
     first has its tail evicted first). One copy when nothing is shared (an ``array`` of the pool's typecode).
     The caller must own each id (once per occurrence)."""
-    if not (self.index_entries or self.refs):
+    if not (self.index or self.refs):
       self.ids += ids if type(ids) is array else array(self.ids.typecode, ids)
       return
     refs = self.refs
@@ -302,7 +283,7 @@ class BlockPool:
     """The block published under ``key``, or None."""
     if self._pending_park or self._pending_unpark:
       self._apply_generations()
-    b = self.index[hash(key) & self.index_mask].get(key)
+    b = self.index.get(key)
     if b is None or self.pubgen[b] != self.gen[b]:
       return None
     return b
@@ -311,12 +292,10 @@ class BlockPool:
     """``lookup`` of each of ``keys``, in order (a list of blocks or None)."""
     if self._pending_park or self._pending_unpark:
       self._apply_generations()
-    index = self.index
-    mask = self.index_mask
+    get = self.index.get
     gen = self.gen
     pubgen = self.pubgen
-    return [b if (b := index[hash(key) & mask].get(key)) is not None and pubgen[b] == gen[b] else None
-            for key in keys]
+    return [b if (b := get(key)) is not None and pubgen[b] == gen[b] else None for key in keys]
 
   def published(self, block: int) -> bool:
     """``block`` is published (under ``hash_of[block]``; module docstring)."""
@@ -336,7 +315,7 @@ class BlockPool:
 
   def published_items(self) -> dict:
     """Every published key -> block (a fresh dict; O(entries): for stats, tests and debug)."""
-    return {k: b for shard in self.index for k, b in shard.items() if self.published(b)}
+    return {k: b for k, b in self.index.items() if self.published(b)}
 
   def publish(self, block: int, key: Hashable) -> bool:
     """Makes owned ``block`` findable under ``key``. False (no change) if ``key`` is published already
@@ -349,34 +328,25 @@ class BlockPool:
     if self._pending_park or self._pending_unpark:
       self._apply_generations()
     index = self.index
-    mask = self.index_mask
     hash_of = self.hash_of
     gen = self.gen
     pubgen = self.pubgen
     n = 0
-    entries = self.index_entries
     for block, key in zip(blocks, keys):
       if pubgen[block] == gen[block]:
         continue  # published under another key
-      shard = index[hash(key) & mask]
-      other = shard.get(key)
-      if other is None:
-        entries += 1
-      elif pubgen[other] == gen[other]:
-        continue  # another block has that content
-      elif other != block:
+      other = index.get(key)
+      if other is not None:
+        if pubgen[other] == gen[other]:
+          continue  # another block has that content
         pubgen[other] = gen[other] ^ UNPUBLISHED  # hidden (parked) and superseded: never found under key again
       old = hash_of[block]
-      if old is not None and old != key:  # (its own stale entry under key is overwritten below)
-        old_shard = index[hash(old) & mask]
-        if old_shard.get(old) == block:  # a stale entry of an earlier generation
-          del old_shard[old]
-          entries -= 1
-      shard[key] = block
+      if old is not None and index.get(old) == block:  # a stale entry of an earlier generation
+        del index[old]
+      index[key] = block
       hash_of[block] = key
       pubgen[block] = gen[block]
       n += 1
-    self.index_entries = entries
     self._num_published += n
     return n
 
@@ -421,9 +391,11 @@ class BlockPool:
     is ``(end, len(ids))``, which its owner keeps to unpark it."""
     return self.park_many((ids,))[0]
 
-  def park_many(self, groups) -> list[int]:
+  def park_many(self, groups, hidden=None) -> list[int]:
     """``park`` of each of ``groups``, in order, with one copy onto the queue and one generation update for the
-    batch. Returns their end positions, in order."""
+    batch. ``hidden``: the groups (of ``groups``) that may hold published blocks; only their blocks move to a new
+    generation (None: every group's). A group left out must hold no published block (nobody can find it then,
+    with no update) and be unparked with ``hidden`` False. Returns their end positions, in order."""
     if self._pending_unpark:
       self._apply_generations()
     free = self.ids
@@ -433,7 +405,10 @@ class BlockPool:
     if joined:
       # Each group last block first, the groups in order: the batch reversed (in numpy: one pass).
       free.frombytes(np.frombuffer(joined, free.typecode)[::-1].tobytes())
-      self._pending_park.append(joined)
+      if hidden is None:
+        self._pending_park.append(joined)
+      elif hidden:
+        self._pending_park.append(b"".join(hidden))
     return ends
 
   def untaken(self, end: int, count: int) -> int:
@@ -447,9 +422,10 @@ class BlockPool:
     an empty array if nothing is left. A group is unparked at most once."""
     return self.unpark_many(((end, count),))[0]
 
-  def unpark_many(self, groups) -> list[array]:
+  def unpark_many(self, groups, hidden=None) -> list[array]:
     """``unpark(end, count)`` of each of ``groups`` (distinct), in order. Each group's untaken blocks leave a hole
-    in the queue (``tombs``; merged with the ones already there in one sort)."""
+    in the queue (``tombs``; merged with the ones already there in one sort). ``hidden``: per group, whether it was
+    parked hidden (``park_many``; None: every one): only those blocks move back a generation."""
     ids = self.ids
     base = self.base
     pos = base + self.head
@@ -459,7 +435,7 @@ class BlockPool:
     pending = self._pending_unpark
     out = []
     holes = []
-    for end, m in groups:
+    for i, (end, m) in enumerate(groups):
       k = _untaken(end, m, pos)
       if not k:
         out.append(array(typecode))
@@ -471,7 +447,8 @@ class BlockPool:
       out.append(got)
       ids[lo:hi] = array(typecode, bytes(ids.itemsize * k))  # a hole (zeros): take skips it
       holes.append([lo + base, hi + base])
-      pending.append(got[:])  # (a copy: the caller owns got)
+      if hidden is None or hidden[i]:
+        pending.append(got[:])  # (a copy: the caller owns got)
     if holes:
       tombs = self.tombs
       tombs += holes
@@ -493,19 +470,16 @@ class BlockPool:
     evictable = self.evictable
     hash_of = self.hash_of
     index = self.index
-    mask = self.index_mask
     free = self.ids
     pubgen = self.pubgen
     gen = self.gen
     for _ in range(n):
       b = evictable.popitem(last=False)[0]
-      key = hash_of[b]
-      del index[hash(key) & mask][key]
+      del index[hash_of[b]]
       hash_of[b] = None
       pubgen[b] = gen[b] ^ UNPUBLISHED
       free.append(b)
     self.evictions += n
-    self.index_entries -= n
     self._num_published -= n
 
   def free_ids(self) -> list[int]:
@@ -532,17 +506,12 @@ class BlockPool:
     lo, hi = self.first_id, self.first_id + self.num_blocks
     bad = [b for b in free if not lo <= b < hi]
     assert not bad, f"free queue holds ids {bad[:8]} outside [{lo}, {hi})"
-    mask = self.index_mask
-    for i, shard in enumerate(self.index):
-      for key, b in shard.items():
-        assert hash(key) & mask == i, f"key {key!r} in index shard {i}"
-        assert self.hash_of[b] == key, f"block {b} indexed under {key!r} but hash_of says {self.hash_of[b]!r}"
-    assert self.index_entries == sum(map(len, self.index)), "index_entries differs from the index"
+    for key, b in self.index.items():
+      assert self.hash_of[b] == key, f"block {b} indexed under {key!r} but hash_of says {self.hash_of[b]!r}"
     published = [b for b in range(lo, hi) if self.published(b)]
     assert len(published) == self.num_published, f"num_published {self.num_published} != {len(published)}"
     for b in published:
-      key = self.hash_of[b]
-      assert key is not None and self.index[hash(key) & mask].get(key) == b, (
+      assert self.hash_of[b] is not None and self.index.get(self.hash_of[b]) == b, (
           f"published block {b}: its entries disagree")
     end = base + head
     for t0, t1 in self.tombs:

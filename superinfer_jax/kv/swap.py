@@ -262,6 +262,7 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   refs = device.refs
   park_seqs = []  # groups parked at the end, in order (BlockPool.park_many): their requests and blocks
   park_groups = []
+  hidden = []  # those that may hold published blocks (SeqBlocks.dev_published): their generations move
   # Fresh host blocks for the shortcuts are read off the free queue's head and consumed before anything else
   # takes (BlockPool's contract; a host pool never parks, so its queue has no holes); once the queue runs dry,
   # ``take`` evicts.
@@ -328,17 +329,20 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
           k = nh
       park_seqs.append(s)
       if k:
-        park_groups.append(dev[k:])
+        group = dev[k:]
         del dev[:]
       else:  # (the column itself is handed over)
-        park_groups.append(dev)
+        group = dev
         s.dev = dev[:0]
+      park_groups.append(group)
+      if s.dev_published:  # (else it stays False: the group holds no published block)
+        hidden.append(group)
       s.park_start = k  # (its group: the rest, SeqBlocks.park_count)
     mirrors += nhost
     done += 1
   host.consume(hpos - host.head)
   if park_seqs:
-    for s, end in zip(park_seqs, device.park_many(park_groups)):
+    for s, end in zip(park_seqs, device.park_many(park_groups, hidden)):
       s.park_end = end
   return done, len(srcs) - start, -mirrors
 
@@ -373,7 +377,8 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
     if shared:
       device.share_many(shared)
     back = [j for j in readopt if j < fits]
-    unparked = dict(zip(back, device.unpark_many([(batch[j].park_end, batch[j].park_count) for j in back])))
+    unparked = dict(zip(back, device.unpark_many([(batch[j].park_end, batch[j].park_count) for j in back],
+                                                 [batch[j].dev_published for j in back])))
     for j, (found, hits) in found_of.items():
       fresh_counts[j] -= hits + len(unparked[j])
   fresh_all = device.take(sum(fresh_counts))
@@ -391,9 +396,12 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
     end = pos + fresh_n
     if found_of and j in found_of:
       found, hits = found_of[j]
-      devs = _readopted_table(found, hits, unparked[j], ids, fresh_all[pos:end], src_pieces, dst_pieces)
+      back = unparked[j]
+      devs = _readopted_table(found, hits, back, ids, fresh_all[pos:end], src_pieces, dst_pieces)
       readopted += total - fresh_n
+      s.dev_published = hits > 0 or (s.dev_published and len(back) > 0)  # (its hidden group's blocks found again)
     else:  # every block copied (as swap_in_many)
+      s.dev_published = False  # fresh blocks only
       devs = fresh_all[pos:end]
       if total > n:
         src_pieces.append(ids[:n])

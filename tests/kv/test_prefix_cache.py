@@ -68,30 +68,6 @@ def test_publish_many_counts_what_it_published():
   p.check()
 
 
-def test_index_shards_stay_small_and_exact_under_churn():
-  # A pool of 5000 blocks gets 8 shards (<= 1024 keys each on average); one of 1024 blocks one. Every block
-  # published, then evicted and published again under a new key, round after round: each key in its shard, the
-  # entry count exact, every current key found, no evicted key found, no shard past twice its share.
-  assert len(BlockPool(1, 1024, DEV_IDS).index) == 1
-  p = BlockPool(0, 5000, DEV_IDS)
-  assert len(p.index) == 8 and p.index_mask == 7
-  keys = iter(id_block_hashes(range(5000 * 4)))
-  owned = p.take(5000)
-  current = dict(zip(owned.tolist(), (next(keys) for _ in range(5000))))
-  p.publish_many(owned, [current[b] for b in owned])
-  old = []
-  for _ in range(3):
-    p.release(owned)                      # all published: to the LRU
-    owned = p.take(5000)                  # every one evicted
-    old += current.values()
-    current = dict(zip(owned.tolist(), (next(keys) for _ in range(5000))))
-    assert p.publish_many(owned, [current[b] for b in owned]) == 5000
-    p.check()                             # each key in its shard, index_entries exact
-    assert p.index_entries == 5000 and max(map(len, p.index)) <= 2 * 5000 // 8
-  assert p.lookup_many(list(current.values())) == list(current)
-  assert p.lookup_many(old[::97]) == [None] * len(old[::97])
-
-
 def test_shared_block_freed_only_by_its_last_owner():
   p = _pool(3)
   b = p.take(1)[0]
@@ -164,6 +140,48 @@ def test_a_parked_block_handed_out_is_never_found_under_its_old_key():
   assert p.unpark(*r).tolist() == []
   assert p.publish(1, "new") and p.lookup("new") == 1 and p.lookup("old") is None
   p.check()
+
+
+def test_a_group_parked_without_hiding_keeps_its_generations():
+  # park_many's hidden: only groups that may hold published blocks move generation (and move back on unpark).
+  p = _pool(6)
+  x = p.take(2)                      # 1, 2: unpublished
+  y = p.take(2)                      # 3, 4: 3 published
+  p.publish(y[0], "y0")
+  gens = p.gen.tolist()
+  gx, gy = [(end, 2) for end in p.park_many([x, y], [y])]
+  assert p.lookup("y0") is None                      # y hidden
+  moved = [b for b in range(1, 7) if p.gen[b] != gens[b]]
+  assert moved == [3, 4]                             # x's generations untouched
+  assert p.unpark_many([gx, gy], [False, True]) == [array(DEV_IDS, [1, 2]), array(DEV_IDS, [3, 4])]
+  assert p.lookup("y0") == 3 and p.gen.tolist() == gens  # (the lookup applies the queued moves)
+  p.check()
+
+
+def test_a_request_holding_no_published_block_parks_without_hiding():
+  # dev_published: set when its blocks are published, cleared by a swap-in that copies every block; a swap-out
+  # of a request without published blocks moves no generation.
+  bm = BlockManager(4, 16, BS)
+  _admit(bm, "a", list(range(2 * BS + 2)))           # blocks 0, 1 full and published
+  bm.take_writebacks()
+  assert bm.seqs["a"].dev_published
+  bm.swap_out_to("a", PairList.from_columns([], []))
+  assert bm.device.published_items() == {}           # hidden while parked
+  assert bm.append_slots("big", 4 * BS)              # takes every block, a's group among them
+  bm.free("big")
+  bm.swap_in_to("a", h2d_pairs())                    # nothing left on device: every block copied, none published
+  s = bm.seqs["a"]
+  assert not s.dev_published and bm.readopted_blocks == 0
+  gens = bm.device.gen.tolist()
+  bm.swap_out_to("a", PairList.from_columns([], []))
+  bm.device.lookup("any")                            # (applies whatever was queued)
+  assert bm.device.gen.tolist() == gens              # parked without a generation update
+  bm.swap_in_to("a", h2d_pairs())
+  assert bm.readopted_blocks == 3 and not s.dev_published  # re-adopted, still unpublished
+  assert bm.append_slots("a", 2)
+  bm.mark_computed("a", 3 * BS)                      # block 2 fills: no hash (past the prompt), unpublished
+  assert not s.dev_published
+  bm.check_invariants()
 
 
 def test_hashes_chain_and_salts_isolate():
