@@ -355,16 +355,23 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
   H2D pair. All-or-nothing per request, in order, stopping at the first the device pool cannot take (each
   counted against what the requests before it take). The batch then moves its blocks at once: re-adopted shared
   runs, every group unparked, and one take for every fresh block (so no request's fresh blocks come out of a
-  later one's group), handed out in request order. Returns ``(tables, mirrors, readopted)``: as
+  later one's group), handed out in request order. A batch with nothing to re-adopt, on a free queue without holes
+  or evictable blocks, takes ``swap_in_many``'s path (the same moves). Returns ``(tables, mirrors, readopted)``: as
   ``swap_in_many``, plus the blocks re-adopted."""
   bs = block_size
   # Phase 1: which requests fit, in order (nothing moves yet). Most have nothing left on device (their group was
   # handed out, nothing before it): they need their total; the others (``readopt``) are counted one by one.
   head = device.head_position
   batch = [seqs[req_id] for req_id in req_ids]
+  readopt = [j for j, s in enumerate(batch) if s.park_start or s.park_end > head]
+  if not readopt and not device.ntomb and not device.evictable:
+    # Nothing to re-adopt, and the free queue alone (no holes) is what a take hands out: swap_in_many's moves.
+    tables, mirrors = swap_in_many(seqs, device, bs, req_ids, num_new_tokens, out)
+    for s in batch[:len(tables)]:
+      s.dev_published = False  # fresh blocks only
+    return tables, mirrors, 0
   up = num_new_tokens + bs - 1
   totals = [(s.num_tokens + up) // bs for s in batch]  # blocks_for (kv/layout.py), inline
-  readopt = [j for j, s in enumerate(batch) if s.park_start or s.park_end > head]
   if readopt:
     fits, found_of, shared = _fit_readopting(batch, totals, readopt, device)
   else:
