@@ -30,9 +30,9 @@ Validity (why parking costs no per-block Python). Parking and taking never touch
 published iff it was published in its current generation: ``pubgen[b] == gen[b]`` (``pubgen`` is moved out of reach,
 ``UNPUBLISHED`` away, when its entries go: eviction, or another block taking its key while it was hidden). Parking a
 block advances its generation and unparking moves it back (a group its owner knows holds no published block skips
-both: ``park_many``'s ``hidden``), so a parked block is never found, what its owner takes
-back is found again, and a block the queue hands out while parked never is under its old key (its new owners may
-park and unpark it, but its generation never returns to the one it was published in; ``publish`` starts anew).
+both: ``park_many``'s ``hidden``), so a parked block is never found, what its owner takes back is found again, and
+a block the queue hands out while parked never is under its old key (its new owners may park and unpark it, but
+its generation never returns to the one it was published in; ``publish`` starts anew).
 Generations move in batches: ``park`` / ``unpark`` queue the ids, and the next read applies them with one numpy
 operation (before anything can find a block or a take hands one out; a swap-in batch looks up before it unparks).
 ``num_published`` counts the published blocks (again, in one numpy pass, after generations moved).

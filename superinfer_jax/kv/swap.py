@@ -246,11 +246,12 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   part in prefix caching (``SeqBlocks.hashes`` None) releases its blocks, tail first (nobody else owns or finds
   them). One that takes part releases the leading run of its blocks that others share (they keep them) and parks the
   rest, its alone, as one group (``BlockPool.park_many``, one call for the batch; its published blocks there are not
-  findable while parked), so that ``swap_in_shared`` re-adopts what is still parked: ``SeqBlocks.park_start`` is the
-  group's first logical block, ``park_end`` / ``park_count`` its queue positions (the group: every logical block
-  from ``park_start`` on). Should a block others share come
-  after its first own block (a hash published first by a third request), its hashed blocks are released one by one
-  (published ones stay findable by content) and only the blocks after them parked. Host copies made clean by the
+  findable while parked; a request holding no published block, ``SeqBlocks.dev_published`` False, parks without a
+  generation update), so that ``swap_in_shared`` re-adopts what is still parked: ``SeqBlocks.park_start`` is the
+  group's first logical block (the group: every logical block from there on), ``park_end`` / ``park_count`` its
+  queue positions. Should a block others share come after its first own block (a hash published first by a third
+  request), its hashed blocks are released one by one (published ones stay findable by content) and only the
+  blocks after them parked. Host copies made clean by the
   swap-out whose block has a content hash are appended to ``host_published`` as ``(host id, hash, req_id, logical
   block)`` (the block manager publishes them a step later: ordering). Returns ``(k, pairs, mirrors)`` as
   ``swap_out_many``."""
