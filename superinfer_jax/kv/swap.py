@@ -251,10 +251,9 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   group's first logical block (the group: every logical block from there on), ``park_end`` / ``park_count`` its
   queue positions. Should a block others share come after its first own block (a hash published first by a third
   request), its hashed blocks are released one by one (published ones stay findable by content) and only the
-  blocks after them parked. Host copies made clean by the
-  swap-out whose block has a content hash are appended to ``host_published`` as ``(host id, hash, req_id, logical
-  block)`` (the block manager publishes them a step later: ordering). Returns ``(k, pairs, mirrors)`` as
-  ``swap_out_many``."""
+  blocks after them parked. Host copies made clean by the swap-out whose block has a content hash are appended to
+  ``host_published`` as ``(host id, hash, req_id, logical block)`` (the block manager publishes them a step later:
+  ordering). Returns ``(k, pairs, mirrors)`` as ``swap_out_many``."""
   srcs = out.srcs
   dsts = out.dsts
   start = len(srcs)
