@@ -64,13 +64,29 @@ from __future__ import annotations
 import collections
 import itertools
 from array import array
-from typing import Hashable, Iterable
+from typing import Iterable
 
 import numpy as np
 
 
 # ``release`` of at least this many blocks without extra owners runs in numpy (below it a loop is cheaper).
 _BULK = 16
+
+# The key -> block map is split by the key's low bits (keys are ints: content hashes, ``kv/prefix_hash.py``) into
+# dicts of about this many entries at most (a power of two of them: ``_num_shards``). Keys churn (a block published again drops its old key, an eviction drops one), and CPython
+# rebuilds a dict whenever its deleted slots use up its table: one dict of a whole pool's keys would stall one
+# publish O(pool) (into a fresh table the kernel faults in page by page); small tables are rebuilt often, each in
+# O(_SHARD_ENTRIES), from memory the allocator reuses.
+_SHARD_ENTRIES = 1024
+
+
+def _num_shards(num_blocks: int) -> int:
+  """Index shards for a pool of ``num_blocks`` (a pool has at most one live key per block): a power of two."""
+  n = 1
+  while n * _SHARD_ENTRIES < num_blocks:
+    n += n
+  return n
+
 
 # ``pubgen[b]`` of a block not published: ``gen[b] ^ UNPUBLISHED`` (a generation moves by one per parking or
 # unparking, so it never reaches that value).
@@ -94,8 +110,10 @@ class BlockPool:
       ``tombs`` (zeros).
     head: index of the free queue's head in ``ids``; base: the absolute position of ``ids[0]`` (positions count
       every id ever released, so a parked group's place survives compaction).
-    index: key -> block; ``hash_of``: a list by block id, its key (None if it has none). A block is published
-      (under ``hash_of[b]``, and ``index`` maps that key back to it) iff ``pubgen[b] == gen[b]``
+    index: key (an int) -> block, in shards (a list of dicts: a key's is ``index[key & index_mask]``, module
+      constants); ``index_entries``: their total size; ``hash_of``: a list by block id, its key (None if it has
+      none). A block is published (under ``hash_of[b]``, and ``index`` maps that key back to it) iff
+      ``pubgen[b] == gen[b]``
       (``published``); other entries are stale.
     num_published: blocks published (a property: counted again, one numpy pass, after generations moved).
     evictable: published blocks nobody owns, oldest first (``OrderedDict`` block -> None).
@@ -105,7 +123,8 @@ class BlockPool:
     tombs: sorted ``[start, end)`` absolute position ranges of unparked blocks still in ``ids`` (zeros);
       ntomb: their total length.
   """
-  __slots__ = ("first_id", "num_blocks", "ids", "head", "base", "index", "hash_of", "evictable", "refs",
+  __slots__ = ("first_id", "num_blocks", "ids", "head", "base", "index", "index_mask", "index_entries", "hash_of",
+               "evictable", "refs",
                "evictions", "gen", "pubgen", "tombs", "ntomb", "_num_published",
                "_count_stale",
                "_gen_np", "_pubgen_np",
@@ -119,7 +138,10 @@ class BlockPool:
     self.ids = array(typecode, range(first_id, first_id + num_blocks))
     self.head = 0
     self.base = 0
-    self.index: dict[Hashable, int] = {}
+    shards = _num_shards(num_blocks)
+    self.index: list[dict[int, int]] = [{} for _ in range(shards)]
+    self.index_mask = shards - 1
+    self.index_entries = 0
     self.hash_of: list = [None] * (first_id + num_blocks)  # a list, not a dict: churn never resizes it
     self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
     self.refs: dict[int, int] = {}
@@ -147,7 +169,7 @@ class BlockPool:
   def shared(self) -> bool:
     """Some block is published or has more than one owner, or the queue has holes (the direct ``ids`` paths are
     off)."""
-    return bool(self.index) or bool(self.refs) or bool(self.ntomb)
+    return bool(self.index_entries) or bool(self.refs) or bool(self.ntomb)
 
   def usage(self) -> float:
     """Used fraction in [0, 1]; an empty pool counts as full (1.0)."""
@@ -221,7 +243,7 @@ class BlockPool:
     tail, or, when published, to the tail of ``evictable`` (so a caller releasing a request's blocks tail
     first has its tail evicted first). One copy when nothing is shared (an ``array`` of the pool's typecode).
     The caller must own each id (once per occurrence)."""
-    if not (self.index or self.refs):
+    if not (self.index_entries or self.refs):
       self.ids += ids if type(ids) is array else array(self.ids.typecode, ids)
       return
     refs = self.refs
@@ -279,11 +301,11 @@ class BlockPool:
     return k
 
   # ------------------------------------------------------------------------------------------ cached blocks
-  def lookup(self, key: Hashable) -> int | None:
+  def lookup(self, key: int) -> int | None:
     """The block published under ``key``, or None."""
     if self._pending_park or self._pending_unpark:
       self._apply_generations()
-    b = self.index.get(key)
+    b = self.index[key & self.index_mask].get(key)
     if b is None or self.pubgen[b] != self.gen[b]:
       return None
     return b
@@ -292,10 +314,12 @@ class BlockPool:
     """``lookup`` of each of ``keys``, in order (a list of blocks or None)."""
     if self._pending_park or self._pending_unpark:
       self._apply_generations()
-    get = self.index.get
+    index = self.index
+    mask = self.index_mask
     gen = self.gen
     pubgen = self.pubgen
-    return [b if (b := get(key)) is not None and pubgen[b] == gen[b] else None for key in keys]
+    return [b if (b := index[key & mask].get(key)) is not None and pubgen[b] == gen[b] else None
+            for key in keys]
 
   def published(self, block: int) -> bool:
     """``block`` is published (under ``hash_of[block]``; module docstring)."""
@@ -315,9 +339,9 @@ class BlockPool:
 
   def published_items(self) -> dict:
     """Every published key -> block (a fresh dict; O(entries): for stats, tests and debug)."""
-    return {k: b for k, b in self.index.items() if self.published(b)}
+    return {k: b for shard in self.index for k, b in shard.items() if self.published(b)}
 
-  def publish(self, block: int, key: Hashable) -> bool:
+  def publish(self, block: int, key: int) -> bool:
     """Makes owned ``block`` findable under ``key``. False (no change) if ``key`` is published already
     (another block has that content) or ``block`` is published under another key."""
     return self.publish_many((block,), (key,)) == 1
@@ -328,25 +352,34 @@ class BlockPool:
     if self._pending_park or self._pending_unpark:
       self._apply_generations()
     index = self.index
+    mask = self.index_mask
     hash_of = self.hash_of
     gen = self.gen
     pubgen = self.pubgen
     n = 0
+    entries = self.index_entries
     for block, key in zip(blocks, keys):
       if pubgen[block] == gen[block]:
         continue  # published under another key
-      other = index.get(key)
-      if other is not None:
-        if pubgen[other] == gen[other]:
-          continue  # another block has that content
+      shard = index[key & mask]
+      other = shard.get(key)
+      if other is None:
+        entries += 1
+      elif pubgen[other] == gen[other]:
+        continue  # another block has that content
+      elif other != block:
         pubgen[other] = gen[other] ^ UNPUBLISHED  # hidden (parked) and superseded: never found under key again
       old = hash_of[block]
-      if old is not None and index.get(old) == block:  # a stale entry of an earlier generation
-        del index[old]
-      index[key] = block
+      if old is not None and old != key:  # (its own stale entry under key is overwritten below)
+        old_shard = index[old & mask]
+        if old_shard.get(old) == block:  # a stale entry of an earlier generation
+          del old_shard[old]
+          entries -= 1
+      shard[key] = block
       hash_of[block] = key
       pubgen[block] = gen[block]
       n += 1
+    self.index_entries = entries
     self._num_published += n
     return n
 
@@ -367,14 +400,17 @@ class BlockPool:
     self.share_many((block,))
 
   def share_many(self, blocks) -> None:
-    """``share`` for each of ``blocks`` (published), in order: a block listed twice gains two owners."""
+    """``share`` for each of ``blocks`` (published), in order: a block listed ``m`` times gains ``m`` owners (a
+    rotation batch lists a shared prefix's blocks once per request: they are counted first, in C)."""
     evictable = self.evictable
     refs = self.refs
-    for b in blocks:
+    for b, m in collections.Counter(blocks).items():  # (first-occurrence order: refs' insertion order as one by one)
       if b in evictable:
         del evictable[b]
-      else:
-        refs[b] = refs.get(b, 0) + 1
+        m -= 1
+        if not m:
+          continue
+      refs[b] = refs.get(b, 0) + m
 
   def is_evictable(self, block: int) -> bool:
     return block in self.evictable
@@ -470,16 +506,19 @@ class BlockPool:
     evictable = self.evictable
     hash_of = self.hash_of
     index = self.index
+    mask = self.index_mask
     free = self.ids
     pubgen = self.pubgen
     gen = self.gen
     for _ in range(n):
       b = evictable.popitem(last=False)[0]
-      del index[hash_of[b]]
+      key = hash_of[b]
+      del index[key & mask][key]
       hash_of[b] = None
       pubgen[b] = gen[b] ^ UNPUBLISHED
       free.append(b)
     self.evictions += n
+    self.index_entries -= n
     self._num_published -= n
 
   def free_ids(self) -> list[int]:
@@ -506,12 +545,17 @@ class BlockPool:
     lo, hi = self.first_id, self.first_id + self.num_blocks
     bad = [b for b in free if not lo <= b < hi]
     assert not bad, f"free queue holds ids {bad[:8]} outside [{lo}, {hi})"
-    for key, b in self.index.items():
-      assert self.hash_of[b] == key, f"block {b} indexed under {key!r} but hash_of says {self.hash_of[b]!r}"
+    mask = self.index_mask
+    for i, shard in enumerate(self.index):
+      for key, b in shard.items():
+        assert key & mask == i, f"key {key!r} in index shard {i}"
+        assert self.hash_of[b] == key, f"block {b} indexed under {key!r} but hash_of says {self.hash_of[b]!r}"
+    assert self.index_entries == sum(map(len, self.index)), "index_entries differs from the index"
     published = [b for b in range(lo, hi) if self.published(b)]
     assert len(published) == self.num_published, f"num_published {self.num_published} != {len(published)}"
     for b in published:
-      assert self.hash_of[b] is not None and self.index.get(self.hash_of[b]) == b, (
+      key = self.hash_of[b]
+      assert key is not None and self.index[key & mask].get(key) == b, (
           f"published block {b}: its entries disagree")
     end = base + head
     for t0, t1 in self.tombs:

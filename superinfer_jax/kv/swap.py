@@ -435,12 +435,13 @@ def _fit_readopting(batch: list, totals: list, readopt: list, device: BlockPool)
   blocks: the leading blocks they find by content (``lookup_many``; an evictable one needs a free block, once
   per batch) and their parked groups (parked blocks count as free already). Returns ``(fits,
   found_of, shared)``: how many requests fit in order, ``{index: (found, hits)}`` for the re-adopting ones among
-  them (``found``: their lookup, a block or None per leading block; None when nothing was looked up), and the
-  found blocks to share, in order. Changes nothing."""
+  them (``found``: their lookup, a block or None per leading block, a list requests with the same hashes share
+  (read-only); None when nothing was looked up), and the found blocks to share, in order. Changes nothing."""
   lookup_many = device.lookup_many
   evictable = device.evictable
   free_left = device.num_free
   revived = set()  # evictable blocks an earlier request of the batch re-adopts (one free block each, once)
+  memo = {}  # hashes -> (their lookup, hits)
   found_of = {}
   shared = []
   special = iter(readopt)
@@ -454,8 +455,17 @@ def _fit_readopting(batch: list, totals: list, readopt: list, device: BlockPool)
     nxt = next(special, -1)
     s = batch[j]
     nh = 0 if s.hashes is None else s.park_start  # its blocks before its parked group: found by content
-    found = lookup_many(s.hashes[:nh]) if nh else None
-    hits = nh - found.count(None) if nh else 0
+    if nh:
+      # Requests of a shared prefix look up the same hashes: once per batch (nothing changes in this phase).
+      key = s.hashes[:nh]
+      looked_up = memo.get(key)
+      if looked_up is None:
+        found = lookup_many(key)
+        looked_up = memo[key] = (found, nh - found.count(None))
+      found, hits = looked_up
+    else:
+      found = None
+      hits = 0
     newly = None
     if hits and evictable and not evictable.keys().isdisjoint(found):
       newly = (evictable.keys() & found) - revived

@@ -15,6 +15,11 @@ from superinfer_jax.sched import Request, Scheduler, SchedulerConfig, VirtualClo
 BS = 4
 
 
+def k(name: str) -> int:
+  """An int key (pools index ints: content hashes) named for readability."""
+  return int.from_bytes(name.encode(), "little")
+
+
 def _pool(n=6):
   return BlockPool(1, n, DEV_IDS)
 
@@ -22,18 +27,18 @@ def _pool(n=6):
 def test_lru_order_and_never_published_blocks_first():
   p = _pool(6)
   a = p.take(4)                     # blocks 1..4 owned
-  for b, key in zip(a, "wxyz"):
+  for b, key in zip(a, map(k, "wxyz")):
     p.publish(b, key)
   p.release(array(DEV_IDS, [3, 1, 4, 2]))   # all published: into the LRU in this order
   assert list(p.evictable) == [3, 1, 4, 2] and p.num_free == 6
-  p.share(p.lookup("w"))            # re-adopt block 1: out of the LRU, KV intact
+  p.share(p.lookup(k("w")))            # re-adopt block 1: out of the LRU, KV intact
   assert list(p.evictable) == [3, 4, 2] and p.num_free == 5
   got = p.take(3)                   # the free queue (5, 6: never published) first, then the oldest cached (3)
   assert got.tolist() == [5, 6, 3]
-  assert p.lookup("y") is None and p.lookup("x") == 2 and p.evictions == 1
+  assert p.lookup(k("y")) is None and p.lookup(k("x")) == 2 and p.evictions == 1
   assert p.take(3) is None          # 2 left (4, 2): all-or-nothing
   assert p.take(2).tolist() == [4, 2] and p.evictions == 3
-  assert p.published_items() == {"w": 1}  # the re-adopted one stays
+  assert p.published_items() == {k("w"): 1}  # the re-adopted one stays
   p.check()
 
 
@@ -42,11 +47,11 @@ def test_releasing_many_blocks_in_bulk_keeps_both_orders():
   ones into the LRU and the others onto the free queue, each in the order released, as one by one would."""
   p = _pool(40)
   a = p.take(20)                     # blocks 1..20
-  p.publish_many(a[::3], [f"k{b}" for b in a[::3]])   # 1, 4, 7, ..., 19 published
+  p.publish_many(a[::3], [k(f"k{b}") for b in a[::3]])   # 1, 4, 7, ..., 19 published
   p.share(4)                         # block 4 gains an owner: this release cannot go in bulk
   one_by_one = _pool(40)
   one_by_one.take(20)
-  one_by_one.publish_many(a[::3], [f"k{b}" for b in a[::3]])
+  one_by_one.publish_many(a[::3], [k(f"k{b}") for b in a[::3]])
   rest = a[4:][::-1]                 # 20..5, tail first: none with extra owners (>= 16 of them: the bulk path)
   p.release(rest)
   for b in rest:
@@ -62,16 +67,66 @@ def test_releasing_many_blocks_in_bulk_keeps_both_orders():
 def test_publish_many_counts_what_it_published():
   p = _pool(4)
   a = p.take(3)
-  assert p.publish_many(a, ["x", "y", "x"]) == 2     # the third: "x" is published already (block 1)
-  assert p.publish_many([a[0]], ["z"]) == 0          # block 1 is published under another key
-  assert p.published_items() == {"x": 1, "y": 2} and p.num_published == 2
+  assert p.publish_many(a, [k("x"), k("y"), k("x")]) == 2     # the third: "x" is published already (block 1)
+  assert p.publish_many([a[0]], [k("z")]) == 0          # block 1 is published under another key
+  assert p.published_items() == {k("x"): 1, k("y"): 2} and p.num_published == 2
+  p.check()
+
+
+def test_share_many_counts_a_block_listed_m_times_as_m_owners():
+  # A rotation batch shares a prefix's blocks once per request: an evictable block listed three times leaves the
+  # LRU (its first owner) and gains two extra owners; one in use gains one per listing.
+  p = _pool(4)
+  a = p.take(2)
+  p.publish_many(a, [k("p0"), k("p1")])
+  p.release(a[:1])                          # block 1: nobody's, published: evictable
+  p.share_many([1, 2, 1, 2, 1])
+  assert 1 not in p.evictable and p.owners(1) == 3 and p.owners(2) == 3
+  assert list(p.refs.items()) == [(1, 2), (2, 2)]
+  p.check()
+
+
+def test_index_shards_stay_small_and_exact_under_churn():
+  # A pool of 5000 blocks gets 8 shards (<= 1024 keys each on average); one of 1024 blocks one. Every block
+  # published, then evicted and published again under a new key, round after round: each key in its shard, the
+  # entry count exact, every current key found, no evicted key found, no shard past twice its share.
+  assert len(BlockPool(1, 1024, DEV_IDS).index) == 1
+  p = BlockPool(0, 5000, DEV_IDS)
+  assert len(p.index) == 8 and p.index_mask == 7
+  keys = iter(id_block_hashes(range(5000 * 4)))
+  owned = p.take(5000)
+  current = dict(zip(owned.tolist(), (next(keys) for _ in range(5000))))
+  p.publish_many(owned, [current[b] for b in owned])
+  old = []
+  for _ in range(3):
+    p.release(owned)                      # all published: to the LRU
+    owned = p.take(5000)                  # every one evicted
+    old += current.values()
+    current = dict(zip(owned.tolist(), (next(keys) for _ in range(5000))))
+    assert p.publish_many(owned, [current[b] for b in owned]) == 5000
+    p.check()                             # each key in its shard, index_entries exact
+    assert p.index_entries == 5000 and max(map(len, p.index)) <= 2 * 5000 // 8
+  assert p.lookup_many(list(current.values())) == list(current)
+  assert p.lookup_many(old[::97]) == [None] * len(old[::97])
+
+
+def test_a_block_published_again_under_a_new_key_leaves_no_stale_entry():
+  # Parked (hidden), handed out, published by its new owner under another key: the old key's entry goes, the
+  # count stays one entry per key, the old key is never found.
+  p = _pool(2)
+  a = p.take(1)
+  p.publish(a[0], k("old"))
+  p.park(a)
+  got = p.take(2)                          # block 2, then the parked block 1
+  assert p.publish(got[1], k("new")) and p.index_entries == 1
+  assert p.lookup(k("old")) is None and p.lookup(k("new")) == 1
   p.check()
 
 
 def test_shared_block_freed_only_by_its_last_owner():
   p = _pool(3)
   b = p.take(1)[0]
-  p.publish(b, "k")
+  p.publish(b, k("k"))
   p.share(b)
   p.share(b)
   assert p.owners(b) == 3
@@ -86,17 +141,17 @@ def test_shared_block_freed_only_by_its_last_owner():
 def test_parked_group_sits_on_the_free_queue_tail_first_and_unparks_what_is_left():
   p = _pool(8)
   a = p.take(4)                      # blocks 1..4, logical order
-  for b, key in zip(a[:3], "abc"):
+  for b, key in zip(a[:3], map(k, "abc")):
     p.publish(b, key)
   r = (p.park(a), 4)                 # every block changes generation (the 3 published ones are not found)
   assert r[0] == p.head_position + 8  # its end: past the 4 free blocks before it and its own 4
   assert p.free_ids() == [5, 6, 7, 8, 4, 3, 2, 1] and p.num_free == 8
-  assert p.lookup("a") is None and p.lookup("c") is None and p.untaken(*r) == 4  # parked: not found
+  assert p.lookup(k("a")) is None and p.lookup(k("c")) is None and p.untaken(*r) == 4  # parked: not found
   assert p.parked_blocks(*r).tolist() == [1, 2, 3, 4]
   assert p.take(5).tolist() == [5, 6, 7, 8, 4]   # the queue reaches the group's tail first
   assert p.untaken(*r) == 3
   assert p.unpark(*r).tolist() == [1, 2, 3]      # what is left: a leading part, in order
-  assert p.lookup("a") == 1 and p.lookup("c") == 3  # found again
+  assert p.lookup(k("a")) == 1 and p.lookup(k("c")) == 3  # found again
   assert p.free_ids() == [] and p.num_free == 0
   p.check()
 
@@ -105,14 +160,14 @@ def test_unparking_a_group_behind_others_leaves_a_hole_takes_skip():
   p = _pool(6)
   x = p.take(2)
   y = p.take(2)
-  p.publish(y[0], "y0")
+  p.publish(y[0], k("y0"))
   gx, gy = [(end, 2) for end in p.park_many([x, y])]
   assert p.free_ids() == [5, 6, 2, 1, 4, 3]
   assert p.unpark(*gx).tolist() == [1, 2] and p.ntomb == 2  # behind 5, 6: a hole
   assert p.free_ids() == [5, 6, 4, 3] and p.num_free == 4
   assert p.take(3).tolist() == [5, 6, 4]         # skips the hole
-  assert p.ntomb == 0 and p.lookup("y0") is None  # y's block 3 still parked
-  assert p.unpark(*gy).tolist() == [3] and p.lookup("y0") == 3
+  assert p.ntomb == 0 and p.lookup(k("y0")) is None  # y's block 3 still parked
+  assert p.unpark(*gy).tolist() == [3] and p.lookup(k("y0")) == 3
   p.check()
 
 
@@ -129,16 +184,16 @@ def test_a_parked_group_the_queue_passed_has_nothing_left():
 def test_a_parked_block_handed_out_is_never_found_under_its_old_key():
   p = _pool(2)
   a = p.take(1)
-  p.publish(a[0], "old")
+  p.publish(a[0], k("old"))
   r = (p.park(a), 1)
   got = p.take(1)                    # the free queue's head is block 2, then the parked block 1
   got += p.take(1)
   assert got.tolist() == [2, 1] and p.untaken(*r) == 0  # r lost it to the queue
   e = (p.park(got[1:]), 1)           # its new owner parks and unparks it (never published by it)
   assert p.unpark(*e).tolist() == [1]
-  assert p.lookup("old") is None and not p.published(1)
+  assert p.lookup(k("old")) is None and not p.published(1)
   assert p.unpark(*r).tolist() == []
-  assert p.publish(1, "new") and p.lookup("new") == 1 and p.lookup("old") is None
+  assert p.publish(1, k("new")) and p.lookup(k("new")) == 1 and p.lookup(k("old")) is None
   p.check()
 
 
@@ -147,14 +202,14 @@ def test_a_group_parked_without_hiding_keeps_its_generations():
   p = _pool(6)
   x = p.take(2)                      # 1, 2: unpublished
   y = p.take(2)                      # 3, 4: 3 published
-  p.publish(y[0], "y0")
+  p.publish(y[0], k("y0"))
   gens = p.gen.tolist()
   gx, gy = [(end, 2) for end in p.park_many([x, y], [y])]
-  assert p.lookup("y0") is None                      # y hidden
+  assert p.lookup(k("y0")) is None                      # y hidden
   moved = [b for b in range(1, 7) if p.gen[b] != gens[b]]
   assert moved == [3, 4]                             # x's generations untouched
   assert p.unpark_many([gx, gy], [False, True]) == [array(DEV_IDS, [1, 2]), array(DEV_IDS, [3, 4])]
-  assert p.lookup("y0") == 3 and p.gen.tolist() == gens  # (the lookup applies the queued moves)
+  assert p.lookup(k("y0")) == 3 and p.gen.tolist() == gens  # (the lookup applies the queued moves)
   p.check()
 
 
@@ -174,7 +229,7 @@ def test_a_request_holding_no_published_block_parks_without_hiding():
   assert not s.dev_published and bm.readopted_blocks == 0
   gens = bm.device.gen.tolist()
   bm.swap_out_to("a", PairList.from_columns([], []))
-  bm.device.lookup("any")                            # (applies whatever was queued)
+  bm.device.lookup(k("any"))                            # (applies whatever was queued)
   assert bm.device.gen.tolist() == gens              # parked without a generation update
   bm.swap_in_to("a", h2d_pairs())
   assert bm.readopted_blocks == 3 and not s.dev_published  # re-adopted, still unpublished
