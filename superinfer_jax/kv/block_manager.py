@@ -603,7 +603,8 @@ class BlockManager:
     revive = len(dev_pool.evictable.keys() & hit_dev)  # re-adopting an evictable block takes a free one
     if total - device_hits + revive > dev_pool.num_free:
       return False
-    dev_pool.share_many(hit_dev)
+    if hit_dev:
+      dev_pool.share_many(hit_dev)
     fresh = dev_pool.take(total - device_hits)
     s = self.seqs[req_id] = SeqBlocks()
     s.hashes = hashes

@@ -69,7 +69,8 @@ from typing import Iterable
 import numpy as np
 
 
-# ``release`` of at least this many blocks without extra owners runs in numpy (below it a loop is cheaper).
+# ``release`` of at least this many blocks without extra owners runs in numpy, and ``share_many`` of this many counts
+# them first (below it a loop is cheaper).
 _BULK = 16
 
 # The key -> block map is split by the key's low bits (keys are ints: content hashes, ``kv/prefix_hash.py``) into
@@ -400,11 +401,18 @@ class BlockPool:
     self.share_many((block,))
 
   def share_many(self, blocks) -> None:
-    """``share`` for each of ``blocks`` (published), in order: a block listed ``m`` times gains ``m`` owners (a
-    rotation batch lists a shared prefix's blocks once per request: they are counted first, in C)."""
+    """``share`` for each of ``blocks`` (a sequence of published blocks), in order: a block listed ``m`` times gains
+    ``m`` owners (a rotation batch lists a shared prefix's blocks once per request: many are counted first, in C)."""
     evictable = self.evictable
     refs = self.refs
-    for b, m in collections.Counter(blocks).items():  # (first-occurrence order: refs' insertion order as one by one)
+    if len(blocks) < _BULK:
+      for b in blocks:
+        if b in evictable:
+          del evictable[b]
+        else:
+          refs[b] = refs.get(b, 0) + 1
+      return
+    for b, m in collections.Counter(blocks).items():
       if b in evictable:
         del evictable[b]
         m -= 1

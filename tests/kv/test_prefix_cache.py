@@ -74,16 +74,22 @@ def test_publish_many_counts_what_it_published():
 
 
 def test_share_many_counts_a_block_listed_m_times_as_m_owners():
-  # A rotation batch shares a prefix's blocks once per request: an evictable block listed three times leaves the
-  # LRU (its first owner) and gains two extra owners; one in use gains one per listing.
-  p = _pool(4)
-  a = p.take(2)
-  p.publish_many(a, [k("p0"), k("p1")])
-  p.release(a[:1])                          # block 1: nobody's, published: evictable
-  p.share_many([1, 2, 1, 2, 1])
-  assert 1 not in p.evictable and p.owners(1) == 3 and p.owners(2) == 3
-  assert list(p.refs.items()) == [(1, 2), (2, 2)]
-  p.check()
+  # A rotation batch shares a prefix's blocks once per request (a long list is counted first): an evictable block
+  # listed 12 times leaves the LRU (its first owner) and gains 11 extra owners; one in use gains one per listing.
+  # The same counts as sharing them one at a time (the short-list path).
+  pools = []
+  for one_by_one in (False, True):
+    p = _pool(4)
+    a = p.take(2)
+    p.publish_many(a, [k("p0"), k("p1")])
+    p.release(a[:1])                          # block 1: nobody's, published: evictable
+    blocks = [1, 2, 1, 2, 1] * 4
+    for part in ([[b] for b in blocks] if one_by_one else [blocks]):
+      p.share_many(part)
+    assert 1 not in p.evictable and p.owners(1) == 12 and p.owners(2) == 9
+    p.check()
+    pools.append(p)
+  assert pools[0].refs == pools[1].refs == {1: 11, 2: 8}
 
 
 def test_index_shards_stay_small_and_exact_under_churn():
