@@ -362,7 +362,9 @@ class BlockManager:
     (those that have one; a hash published already by another block of the same content stays with it)."""
     hashes = s.hashes
     if first < len(hashes) and self.device.publish_many(s.dev[first:end], hashes[first:end]):
-      s.dev_published = True
+      end = min(end, len(hashes))
+      if end > s.pub_end:
+        s.pub_end = end
 
   def mark_computed_next(self, req_ids) -> None:
     """``mark_computed(req_id, num_computed + 1)`` for each id in order (resident requests with an uncomputed
@@ -608,7 +610,7 @@ class BlockManager:
     fresh = dev_pool.take(total - device_hits)
     s = self.seqs[req_id] = SeqBlocks()
     s.hashes = hashes
-    s.dev_published = device_hits > 0
+    s.pub_end = device_hits  # (its hits are published)
     self._ncached += 1
     s.dev += array(DEV_IDS, hit_dev)
     s.dev += fresh

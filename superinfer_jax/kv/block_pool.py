@@ -30,7 +30,7 @@ Validity (why parking costs no per-block Python). Parking and taking never touch
 published iff it was published in its current generation: ``pubgen[b] == gen[b]`` (``pubgen`` is moved out of reach,
 ``UNPUBLISHED`` away, when its entries go: eviction, or another block taking its key while it was hidden). Parking a
 block advances its generation and unparking moves it back (a group its owner knows holds no published block skips
-both: ``park_many``'s ``hidden``), so a parked block is never found, what its owner takes back is found again, and
+both, and a group's part its owner knows holds none is left alone: ``park_many``'s ``hidden``), so a parked block is never found, what its owner takes back is found again, and
 a block the queue hands out while parked never is under its old key (its new owners may park and unpark it, but
 its generation never returns to the one it was published in; ``publish`` starts anew).
 Generations move in batches: ``park`` / ``unpark`` queue the ids, and the next read applies them with one numpy
@@ -437,9 +437,10 @@ class BlockPool:
 
   def park_many(self, groups, hidden=None) -> list[int]:
     """``park`` of each of ``groups``, in order, with one copy onto the queue and one generation update for the
-    batch. ``hidden``: the groups (of ``groups``) that may hold published blocks; only their blocks move to a new
-    generation (None: every group's). A group left out must hold no published block (nobody can find it then,
-    with no update) and be unparked with ``hidden`` False. Returns their end positions, in order."""
+    batch. ``hidden``: leading parts of groups (arrays), each holding every published block of its group; only
+    their blocks move to a new generation (None: every group's). A group's blocks outside them must be unpublished
+    (nobody can find them then, with no update), and it is unparked with ``hidden`` its part's length. Returns
+    their end positions, in order."""
     if self._pending_unpark:
       self._apply_generations()
     free = self.ids
@@ -468,8 +469,9 @@ class BlockPool:
 
   def unpark_many(self, groups, hidden=None) -> list[array]:
     """``unpark(end, count)`` of each of ``groups`` (distinct), in order. Each group's untaken blocks leave a hole
-    in the queue (``tombs``; merged with the ones already there in one sort). ``hidden``: per group, whether it was
-    parked hidden (``park_many``; None: every one): only those blocks move back a generation."""
+    in the queue (``tombs``; merged with the ones already there in one sort). ``hidden``: per group, how many of its
+    leading blocks were parked hidden (``park_many``; None: every one): those of them still untaken move back a
+    generation."""
     ids = self.ids
     base = self.base
     pos = base + self.head
@@ -491,8 +493,10 @@ class BlockPool:
       out.append(got)
       ids[lo:hi] = array(typecode, bytes(ids.itemsize * k))  # a hole (zeros): take skips it
       holes.append([lo + base, hi + base])
-      if hidden is None or hidden[i]:
+      if hidden is None:
         pending.append(got[:])  # (a copy: the caller owns got)
+      elif hidden[i]:
+        pending.append(got[:hidden[i]])
     if holes:
       tombs = self.tombs
       tombs += holes

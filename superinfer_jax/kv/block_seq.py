@@ -41,7 +41,7 @@ class SeqBlocks:
   """One request's logical blocks (parallel columns, indexed by logical block; ``dev`` is empty while the
   request is swapped out, so ``len(host)`` is the block count in both states)."""
   __slots__ = ("dev", "host", "host_tokens", "num_tokens", "num_computed", "on_host", "nwb", "nhost", "hashes",
-               "park_start", "park_end", "dev_published")
+               "park_start", "park_end", "pub_end")
 
   def __init__(self):
     self.dev = array(DEV_IDS)  # device block ids
@@ -59,10 +59,11 @@ class SeqBlocks:
     # (``park_count`` blocks) ends on the device free queue (``BlockPool.park``); stale while resident.
     self.park_start = 0
     self.park_end = 0
-    # Prefix caching: False guarantees that no device block it owns is published (resident), or that its parked
-    # group holds none and was parked without a generation update (swapped out: ``BlockPool.park_many``'s
-    # ``hidden``). True: it may (set when its blocks are published or it takes a published one).
-    self.dev_published = False
+    # Prefix caching: a bound on its published device blocks. Resident: no device block it owns at a logical index
+    # >= pub_end is published. Swapped out: its parked group's blocks before pub_end were parked hidden (a new
+    # generation: ``BlockPool.park_many``'s ``hidden``), those from there on were not and are unpublished. Raised
+    # when its blocks are published or it takes published ones; lowered by a swap-in to what it re-adopts.
+    self.pub_end = 0
 
   @property
   def park_count(self) -> int:

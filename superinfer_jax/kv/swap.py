@@ -246,8 +246,8 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   part in prefix caching (``SeqBlocks.hashes`` None) releases its blocks, tail first (nobody else owns or finds
   them). One that takes part releases the leading run of its blocks that others share (they keep them) and parks the
   rest, its alone, as one group (``BlockPool.park_many``, one call for the batch; its published blocks there are not
-  findable while parked; a request holding no published block, ``SeqBlocks.dev_published`` False, parks without a
-  generation update), so that ``swap_in_shared`` re-adopts what is still parked: ``SeqBlocks.park_start`` is the
+  findable while parked; only the group's part before ``SeqBlocks.pub_end``, which holds every published block of
+  the group, moves to a new generation), so that ``swap_in_shared`` re-adopts what is still parked: ``SeqBlocks.park_start`` is the
   group's first logical block (the group: every logical block from there on), ``park_end`` / ``park_count`` its
   queue positions. Should a block others share come after its first own block (a hash published first by a third
   request), its hashed blocks are released one by one (published ones stay findable by content) and only the
@@ -262,7 +262,7 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   refs = device.refs
   park_seqs = []  # groups parked at the end, in order (BlockPool.park_many): their requests and blocks
   park_groups = []
-  hidden = []  # those that may hold published blocks (SeqBlocks.dev_published): their generations move
+  hidden = []  # their leading parts that may hold published blocks (before SeqBlocks.pub_end): generations move
   # Fresh host blocks for the shortcuts are read off the free queue's head and consumed before anything else
   # takes (BlockPool's contract; a host pool never parks, so its queue has no holes); once the queue runs dry,
   # ``take`` evicts.
@@ -335,8 +335,8 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
         group = dev
         s.dev = dev[:0]
       park_groups.append(group)
-      if s.dev_published:  # (else it stays False: the group holds no published block)
-        hidden.append(group)
+      if s.pub_end > k:  # (else the group holds no published block: no generation moves)
+        hidden.append(group[:s.pub_end - k])
       s.park_start = k  # (its group: the rest, SeqBlocks.park_count)
     mirrors += nhost
     done += 1
@@ -368,7 +368,7 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
     # Nothing to re-adopt, and the free queue alone (no holes) is what a take hands out: swap_in_many's moves.
     tables, mirrors = swap_in_many(seqs, device, bs, req_ids, num_new_tokens, out)
     for s in batch[:len(tables)]:
-      s.dev_published = False  # fresh blocks only
+      s.pub_end = 0  # fresh blocks only
     return tables, mirrors, 0
   up = num_new_tokens + bs - 1
   totals = [(s.num_tokens + up) // bs for s in batch]  # blocks_for (kv/layout.py), inline
@@ -385,7 +385,7 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
       device.share_many(shared)
     back = [j for j in readopt if j < fits]
     unparked = dict(zip(back, device.unpark_many([(batch[j].park_end, batch[j].park_count) for j in back],
-                                                 [batch[j].dev_published for j in back])))
+                                                 [max(0, batch[j].pub_end - batch[j].park_start) for j in back])))
     for j, (found, hits) in found_of.items():
       fresh_counts[j] -= hits + len(unparked[j])
   fresh_all = device.take(sum(fresh_counts))
@@ -406,9 +406,11 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
       back = unparked[j]
       devs = _readopted_table(found, hits, back, ids, fresh_all[pos:end], src_pieces, dst_pieces)
       readopted += total - fresh_n
-      s.dev_published = hits > 0 or (s.dev_published and len(back) > 0)  # (its hidden group's blocks found again)
+      # Published now: what it found by content (before park_start) and its group's part parked hidden that it took
+      # back (the queue hands a group out tail first).
+      s.pub_end = max(s.park_start if hits else 0, min(s.pub_end, s.park_start + len(back)))
     else:  # every block copied (as swap_in_many)
-      s.dev_published = False  # fresh blocks only
+      s.pub_end = 0  # fresh blocks only
       devs = fresh_all[pos:end]
       if total > n:
         src_pieces.append(ids[:n])

@@ -204,44 +204,79 @@ def test_a_parked_block_handed_out_is_never_found_under_its_old_key():
 
 
 def test_a_group_parked_without_hiding_keeps_its_generations():
-  # park_many's hidden: only groups that may hold published blocks move generation (and move back on unpark).
-  p = _pool(6)
+  # park_many's hidden: only the leading parts of groups that may hold published blocks move generation (and move
+  # back on unpark, as far as the queue left them).
+  p = _pool(8)
   x = p.take(2)                      # 1, 2: unpublished
-  y = p.take(2)                      # 3, 4: 3 published
+  y = p.take(3)                      # 3, 4, 5: 3 published
   p.publish(y[0], k("y0"))
   gens = p.gen.tolist()
-  gx, gy = [(end, 2) for end in p.park_many([x, y], [y])]
-  assert p.lookup(k("y0")) is None                      # y hidden
-  moved = [b for b in range(1, 7) if p.gen[b] != gens[b]]
-  assert moved == [3, 4]                             # x's generations untouched
-  assert p.unpark_many([gx, gy], [False, True]) == [array(DEV_IDS, [1, 2]), array(DEV_IDS, [3, 4])]
+  gx, gy = [(end, n) for end, n in zip(p.park_many([x, y], [y[:1]]), (2, 3))]
+  assert p.lookup(k("y0")) is None                   # y's first block hidden
+  moved = [b for b in range(1, 9) if p.gen[b] != gens[b]]
+  assert moved == [3]                                # x's and y's other generations untouched
+  assert p.unpark_many([gx, gy], [0, 1]) == [array(DEV_IDS, [1, 2]), array(DEV_IDS, [3, 4, 5])]
   assert p.lookup(k("y0")) == 3 and p.gen.tolist() == gens  # (the lookup applies the queued moves)
   p.check()
 
 
+def test_pub_end_bounds_what_moves_generation_at_a_rotation():
+  # pub_end: past it no device block of the request is published. Raised as its blocks are published or it takes
+  # published ones; a swap-in lowers it to what it re-adopts (its hits, then its group's part parked hidden that
+  # the queue left); a swap-out moves generation for its group's part before it only.
+  bm = BlockManager(8, 16, BS)
+  _admit(bm, "a", list(range(2 * BS + 2)))           # blocks 0, 1 full and published
+  s = bm.seqs["a"]
+  assert s.pub_end == 2
+  bm.take_writebacks()
+  assert bm.append_slots("a", BS)
+  bm.mark_computed("a", 3 * BS + 2)                  # block 2 fills: no hash (past the prompt), unpublished
+  assert s.pub_end == 2
+  gens = bm.device.gen.tolist()
+  table = bm.block_table("a").tolist()
+  bm.swap_out_to("a", PairList.from_columns([], []))
+  assert bm.device.published_items() == {}           # hidden while parked
+  moved = [b for b in range(9) if bm.device.gen[b] != gens[b]]
+  assert moved == sorted(table[:2])                  # only blocks 0, 1 (before pub_end) moved
+  bm.swap_in_to("a", h2d_pairs())                    # all four re-adopted: the queue handed out nothing
+  assert len(bm.device.published_items()) == 2      # (applies the queued moves)
+  assert bm.readopted_blocks == 4 and s.pub_end == 2 and bm.device.gen.tolist() == gens
+  bm.check_invariants()
+  bm.swap_out_to("a", PairList.from_columns([], []))
+  assert bm.append_slots("big", 7 * BS)              # the free queue (4) then a's group tail first: blocks 3, 2, 1
+  bm.free("big")
+  bm.swap_in_to("a", h2d_pairs())                    # block 0 left on device, re-adopted (still published)
+  assert s.pub_end == 1 and bm.readopted_blocks == 5
+  bm.check_invariants()
+  # A request with the same prompt shares a's block 0 (published) and publishes its own block 1 (a's is a copy).
+  _admit(bm, "b", list(range(2 * BS + 3)))
+  assert bm.seqs["b"].pub_end == 2 and bm.device.owners(bm.block_table("a")[0]) == 2
+  bm.check_invariants()
+
+
 def test_a_request_holding_no_published_block_parks_without_hiding():
-  # dev_published: set when its blocks are published, cleared by a swap-in that copies every block; a swap-out
-  # of a request without published blocks moves no generation.
+  # pub_end 0 after a swap-in that copies every block; a swap-out of a request without published blocks moves no
+  # generation.
   bm = BlockManager(4, 16, BS)
   _admit(bm, "a", list(range(2 * BS + 2)))           # blocks 0, 1 full and published
   bm.take_writebacks()
-  assert bm.seqs["a"].dev_published
+  assert bm.seqs["a"].pub_end == 2
   bm.swap_out_to("a", PairList.from_columns([], []))
   assert bm.device.published_items() == {}           # hidden while parked
   assert bm.append_slots("big", 4 * BS)              # takes every block, a's group among them
   bm.free("big")
   bm.swap_in_to("a", h2d_pairs())                    # nothing left on device: every block copied, none published
   s = bm.seqs["a"]
-  assert not s.dev_published and bm.readopted_blocks == 0
+  assert s.pub_end == 0 and bm.readopted_blocks == 0
   gens = bm.device.gen.tolist()
   bm.swap_out_to("a", PairList.from_columns([], []))
-  bm.device.lookup(k("any"))                            # (applies whatever was queued)
+  bm.device.lookup(k("any"))                         # (applies whatever was queued)
   assert bm.device.gen.tolist() == gens              # parked without a generation update
   bm.swap_in_to("a", h2d_pairs())
-  assert bm.readopted_blocks == 3 and not s.dev_published  # re-adopted, still unpublished
+  assert bm.readopted_blocks == 3 and s.pub_end == 0  # re-adopted, still unpublished
   assert bm.append_slots("a", 2)
   bm.mark_computed("a", 3 * BS)                      # block 2 fills: no hash (past the prompt), unpublished
-  assert not s.dev_published
+  assert s.pub_end == 0
   bm.check_invariants()
 
 
