@@ -598,21 +598,26 @@ class BlockManager:
       raise ValueError(f"allocate_prefix({req_id!r}): {hit} hit blocks for {total_tokens} tokens "
                        f"({len(hashes)} hashes)")
     dev_pool = self.device
-    hit_dev = [dev_pool.lookup(hashes[i]) for i in range(device_hits)]
-    if None in hit_dev:
-      raise ValueError(f"allocate_prefix({req_id!r}): a device hit is not published (stale lookup_prefix)")
     total = blocks_for(total_tokens, bs)
-    revive = len(dev_pool.evictable.keys() & hit_dev)  # re-adopting an evictable block takes a free one
-    if total - device_hits + revive > dev_pool.num_free:
-      return False
-    if hit_dev:
+    if device_hits:
+      hit_dev = dev_pool.lookup_many(hashes[:device_hits])
+      if None in hit_dev:
+        raise ValueError(f"allocate_prefix({req_id!r}): a device hit is not published (stale lookup_prefix)")
+      revive = len(dev_pool.evictable.keys() & hit_dev)  # re-adopting an evictable block takes a free one
+      if total - device_hits + revive > dev_pool.num_free:
+        return False
       dev_pool.share_many(hit_dev)
-    fresh = dev_pool.take(total - device_hits)
+      fresh = dev_pool.take(total - device_hits)
+    else:
+      fresh = dev_pool.take(total)
+      if fresh is None:
+        return False
     s = self.seqs[req_id] = SeqBlocks()
     s.hashes = hashes
     s.pub_end = device_hits  # (its hits are published)
     self._ncached += 1
-    s.dev += array(DEV_IDS, hit_dev)
+    if device_hits:
+      s.dev += array(DEV_IDS, hit_dev)
     s.dev += fresh
     s.host += no_block_ids(total)
     s.host_tokens += [0] * total
