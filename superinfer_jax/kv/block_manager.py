@@ -569,15 +569,8 @@ class BlockManager:
     device, then how many of the blocks after it are published on host (0 with the host tier off). Never
     changes anything."""
     n = min(max_blocks, len(hashes))
-    lookup = self.device.lookup
-    d = 0
-    while d < n and lookup(hashes[d]) is not None:
-      d += 1
-    h = d
-    if self.host_prefix_cache:
-      hlookup = self.host.lookup
-      while h < n and hlookup(hashes[h]) is not None:
-        h += 1
+    d = self.device.published_run(hashes, 0, n)
+    h = self.host.published_run(hashes, d, n) if self.host_prefix_cache else d
     return d, h - d
 
   def allocate_prefix(self, req_id: ReqId, hashes: tuple, device_hits: int, host_loads: int, total_tokens: int,

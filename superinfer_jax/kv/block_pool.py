@@ -322,6 +322,24 @@ class BlockPool:
     return [b if (b := index[key & mask].get(key)) is not None and pubgen[b] == gen[b] else None
             for key in keys]
 
+  def published_run(self, keys, start: int, stop: int) -> int:
+    """The first ``i`` in ``start .. stop`` such that ``keys[i]`` is not published (``stop`` if every one is): the
+    end of the run of published keys from ``start``."""
+    if self._pending_park or self._pending_unpark:
+      self._apply_generations()
+    index = self.index
+    mask = self.index_mask
+    gen = self.gen
+    pubgen = self.pubgen
+    i = start
+    while i < stop:
+      key = keys[i]
+      b = index[key & mask].get(key)
+      if b is None or pubgen[b] != gen[b]:
+        return i
+      i += 1
+    return stop
+
   def published(self, block: int) -> bool:
     """``block`` is published (under ``hash_of[block]``; module docstring)."""
     if self._pending_park or self._pending_unpark:
