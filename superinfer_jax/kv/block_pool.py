@@ -29,10 +29,10 @@ nothing done: its owner finds nothing left.
 Validity (why parking costs no per-block Python). Parking and taking never touch ``index`` / ``hash_of``. A block is
 published iff it was published in its current generation: ``pubgen[b] == gen[b]`` (``pubgen`` is moved out of reach,
 ``UNPUBLISHED`` away, when its entries go: eviction, or another block taking its key while it was hidden). Parking a
-block advances its generation and unparking moves it back (a group its owner knows holds no published block skips
-both, and a group's part its owner knows holds none is left alone: ``park_many``'s ``hidden``), so a parked block is never found, what its owner takes back is found again, and
-a block the queue hands out while parked never is under its old key (its new owners may park and unpark it, but
-its generation never returns to the one it was published in; ``publish`` starts anew).
+block advances its generation and unparking moves it back (a group's part its owner knows holds no published block
+skips both: ``park_many``'s ``hidden``), so a parked block is never found, what its owner takes back is found
+again, and a block the queue hands out while parked never is under its old key (its new owners may park and unpark
+it, but its generation never returns to the one it was published in; ``publish`` starts anew).
 Generations move in batches: ``park`` / ``unpark`` queue the ids, and the next read applies them with one numpy
 operation (before anything can find a block or a take hands one out; a swap-in batch looks up before it unparks).
 ``num_published`` counts the published blocks (again, in one numpy pass, after generations moved).
@@ -74,10 +74,10 @@ import numpy as np
 _BULK = 16
 
 # The key -> block map is split by the key's low bits (keys are ints: content hashes, ``kv/prefix_hash.py``) into
-# dicts of about this many entries at most (a power of two of them: ``_num_shards``). Keys churn (a block published again drops its old key, an eviction drops one), and CPython
-# rebuilds a dict whenever its deleted slots use up its table: one dict of a whole pool's keys would stall one
-# publish O(pool) (into a fresh table the kernel faults in page by page); small tables are rebuilt often, each in
-# O(_SHARD_ENTRIES), from memory the allocator reuses.
+# dicts of about this many entries at most (a power of two of them: ``_num_shards``). Keys churn (a block published
+# again drops its old key, an eviction drops one), and CPython rebuilds a dict whenever its deleted slots use up its
+# table: one dict of a whole pool's keys would stall one publish O(pool) (into a fresh table the kernel faults in
+# page by page); small tables are rebuilt often, each in O(_SHARD_ENTRIES), from memory the allocator reuses.
 _SHARD_ENTRIES = 1024
 
 
@@ -114,8 +114,7 @@ class BlockPool:
     index: key (an int) -> block, in shards (a list of dicts: a key's is ``index[key & index_mask]``, module
       constants); ``index_entries``: their total size; ``hash_of``: a list by block id, its key (None if it has
       none). A block is published (under ``hash_of[b]``, and ``index`` maps that key back to it) iff
-      ``pubgen[b] == gen[b]``
-      (``published``); other entries are stale.
+      ``pubgen[b] == gen[b]`` (``published``); other entries are stale.
     num_published: blocks published (a property: counted again, one numpy pass, after generations moved).
     evictable: published blocks nobody owns, oldest first (``OrderedDict`` block -> None).
     refs: block -> owners beyond the first (only blocks with more than one owner).

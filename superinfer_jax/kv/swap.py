@@ -247,13 +247,13 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   them). One that takes part releases the leading run of its blocks that others share (they keep them) and parks the
   rest, its alone, as one group (``BlockPool.park_many``, one call for the batch; its published blocks there are not
   findable while parked; only the group's part before ``SeqBlocks.pub_end``, which holds every published block of
-  the group, moves to a new generation), so that ``swap_in_shared`` re-adopts what is still parked: ``SeqBlocks.park_start`` is the
-  group's first logical block (the group: every logical block from there on), ``park_end`` / ``park_count`` its
-  queue positions. Should a block others share come after its first own block (a hash published first by a third
-  request), its hashed blocks are released one by one (published ones stay findable by content) and only the
-  blocks after them parked. Host copies made clean by the swap-out whose block has a content hash are appended to
-  ``host_published`` as ``(host id, hash, req_id, logical block)`` (the block manager publishes them a step later:
-  ordering). Returns ``(k, pairs, mirrors)`` as ``swap_out_many``."""
+  the group, moves to a new generation), so that ``swap_in_shared`` re-adopts what is still parked:
+  ``SeqBlocks.park_start`` is the group's first logical block (the group: every logical block from there on),
+  ``park_end`` / ``park_count`` its queue positions. Should a block others share come after its first own block (a
+  hash published first by a third request), its hashed blocks are released one by one (published ones stay
+  findable by content) and only the blocks after them parked. Host copies made clean by the swap-out whose block
+  has a content hash are appended to ``host_published`` as ``(host id, hash, req_id, logical block)`` (the block
+  manager publishes them a step later: ordering). Returns ``(k, pairs, mirrors)`` as ``swap_out_many``."""
   srcs = out.srcs
   dsts = out.dsts
   start = len(srcs)
