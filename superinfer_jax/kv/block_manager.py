@@ -566,8 +566,8 @@ class BlockManager:
 
   def lookup_prefix(self, hashes, max_blocks: int) -> tuple[int, int]:
     """``(device, host)``: the longest run of ``hashes``' leading blocks (at most ``max_blocks``) published on
-    device, then how many of the blocks after it are published on host (0 with the host tier off). Never
-    changes anything."""
+    device, then how many of the blocks after it are published on host (0 with the host tier off). ``hashes``:
+    int content hashes (``kv/prefix_hash.py``; the pools index ints). Never changes anything."""
     n = min(max_blocks, len(hashes))
     d = self.device.published_run(hashes, 0, n)
     h = self.host.published_run(hashes, d, n) if self.host_prefix_cache else d

@@ -111,10 +111,10 @@ class BlockPool:
       ``tombs`` (zeros).
     head: index of the free queue's head in ``ids``; base: the absolute position of ``ids[0]`` (positions count
       every id ever released, so a parked group's place survives compaction).
-    index: key (an int) -> block, in shards (a list of dicts: a key's is ``index[key & index_mask]``, module
-      constants); ``index_entries``: their total size; ``hash_of``: a list by block id, its key (None if it has
-      none). A block is published (under ``hash_of[b]``, and ``index`` maps that key back to it) iff
-      ``pubgen[b] == gen[b]`` (``published``); other entries are stale.
+    index: key (an int) -> block, in shards (a list of ``_num_shards(num_blocks)`` dicts: a key's is
+      ``index[key & index_mask]``); ``index_entries``: their total size; ``hash_of``: a list by block id, its key
+      (None if it has none). A block is published (under ``hash_of[b]``, and ``index`` maps that key back to it)
+      iff ``pubgen[b] == gen[b]`` (``published``); other entries are stale.
     num_published: blocks published (a property: counted again, one numpy pass, after generations moved).
     evictable: published blocks nobody owns, oldest first (``OrderedDict`` block -> None).
     refs: block -> owners beyond the first (only blocks with more than one owner).
@@ -322,8 +322,8 @@ class BlockPool:
             for key in keys]
 
   def published_run(self, keys, start: int, stop: int) -> int:
-    """The first ``i`` in ``start .. stop`` such that ``keys[i]`` is not published (``stop`` if every one is): the
-    end of the run of published keys from ``start``."""
+    """The end of the run of published keys from ``start``: the first ``i`` in ``start .. stop - 1`` such that
+    ``keys[i]`` is not published, else ``max(start, stop)``."""
     if self._pending_park or self._pending_unpark:
       self._apply_generations()
     index = self.index
@@ -335,9 +335,9 @@ class BlockPool:
       key = keys[i]
       b = index[key & mask].get(key)
       if b is None or pubgen[b] != gen[b]:
-        return i
+        break
       i += 1
-    return stop
+    return i
 
   def published(self, block: int) -> bool:
     """``block`` is published (under ``hash_of[block]``; module docstring)."""

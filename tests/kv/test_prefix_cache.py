@@ -254,6 +254,31 @@ def test_pub_end_bounds_what_moves_generation_at_a_rotation():
   bm.check_invariants()
 
 
+def test_pub_end_is_a_bound_not_a_count():
+  # Rotated out mid-prefill, every block copied back in (pub_end 0), its prompt then finishes: blocks 1 and 2 fill
+  # and are published, block 0 (a copy) is not. pub_end covers them, so the next rotation hides both.
+  bm = BlockManager(8, 16, BS)
+  toks = list(range(3 * BS + 1))
+  hashes = block_hashes(toks, BS)
+  assert bm.allocate_prefix("a", hashes, 0, 0, len(toks), h2d_pairs())
+  bm.mark_computed("a", BS + 2)                      # block 0 full and published; block 1 half written
+  bm.take_writebacks()
+  bm.swap_out_to("a", PairList.from_columns([], []))
+  assert bm.append_slots("big", 8 * BS)              # every free block, a's parked group among them
+  bm.free("big")
+  bm.swap_in_to("a", h2d_pairs())                    # every block copied
+  s = bm.seqs["a"]
+  assert s.pub_end == 0
+  assert bm.append_slots("a", len(toks) - BS - 2)
+  bm.mark_computed("a", len(toks))
+  assert [bm.device.published(b) for b in s.dev] == [False, True, True, False] and s.pub_end == 3
+  bm.check_invariants()
+  bm.swap_out_to("a", PairList.from_columns([], []))
+  assert bm.device.published_items() == {}          # blocks 1, 2 hidden while parked
+  assert bm.device.published_run(hashes, 0, 3) == 0 and bm.device.published_run(hashes, 2, 1) == 2
+  bm.check_invariants()
+
+
 def test_a_request_holding_no_published_block_parks_without_hiding():
   # pub_end 0 after a swap-in that copies every block; a swap-out of a request without published blocks moves no
   # generation.
