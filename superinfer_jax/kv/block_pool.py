@@ -312,24 +312,14 @@ class BlockPool:
 
   def lookup_many(self, keys) -> list:
     """``lookup`` of each of ``keys``, in order (a list of blocks or None)."""
-    if self._pending_park or self._pending_unpark:
-      self._apply_generations()
-    index = self.index
-    mask = self.index_mask
-    gen = self.gen
-    pubgen = self.pubgen
+    index, mask, gen, pubgen = self._read_state()
     return [b if (b := index[key & mask].get(key)) is not None and pubgen[b] == gen[b] else None
             for key in keys]
 
   def published_run(self, keys, start: int, stop: int) -> int:
     """The end of the run of published keys from ``start``: the first ``i`` in ``start .. stop - 1`` such that
     ``keys[i]`` is not published, else ``max(start, stop)``."""
-    if self._pending_park or self._pending_unpark:
-      self._apply_generations()
-    index = self.index
-    mask = self.index_mask
-    gen = self.gen
-    pubgen = self.pubgen
+    index, mask, gen, pubgen = self._read_state()
     i = start
     while i < stop:
       key = keys[i]
@@ -338,6 +328,13 @@ class BlockPool:
         break
       i += 1
     return i
+
+  def _read_state(self) -> tuple:
+    """``(index, index_mask, gen, pubgen)`` for a batch of index reads or writes, the queued generation moves applied
+    first (a block is published iff ``pubgen[b] == gen[b]``)."""
+    if self._pending_park or self._pending_unpark:
+      self._apply_generations()
+    return self.index, self.index_mask, self.gen, self.pubgen
 
   def published(self, block: int) -> bool:
     """``block`` is published (under ``hash_of[block]``; module docstring)."""
@@ -367,13 +364,8 @@ class BlockPool:
   def publish_many(self, blocks, keys) -> int:
     """``publish(block, key)`` for each ``block`` of ``blocks`` and ``key`` of ``keys``, in order; returns how many
     were published."""
-    if self._pending_park or self._pending_unpark:
-      self._apply_generations()
-    index = self.index
-    mask = self.index_mask
+    index, mask, gen, pubgen = self._read_state()
     hash_of = self.hash_of
-    gen = self.gen
-    pubgen = self.pubgen
     n = 0
     entries = self.index_entries
     for block, key in zip(blocks, keys):
