@@ -170,7 +170,7 @@ from __future__ import annotations
 
 from array import array
 
-from superinfer_jax.kv import swap, writeback
+from superinfer_jax.kv import shared_run, swap, writeback
 from superinfer_jax.kv.block_pool import BlockPool
 from superinfer_jax.kv.block_seq import NO_BLOCK, ReqId, SeqBlocks, no_block_ids
 from superinfer_jax.kv.invariants import check_invariants as _check_invariants
@@ -205,6 +205,7 @@ class BlockManager:
     # published by the next begin_step, once their D2H copies are ordered before any H2D copy that reads them.
     self._host_published: list = []
     self.readopted_blocks = 0  # device blocks a swap-in re-adopted with no copy (a request's own re-hits)
+    self.runs: dict[int, shared_run.SharedRun] = {}  # live shared runs by their last block's hash (kv/shared_run.py)
 
   # ---------------------------------------------------------------- capacity queries
   @property
@@ -437,7 +438,7 @@ class BlockManager:
     if self._sharing:
       published = []
       done, moved, mirrors = swap.swap_out_shared(self.seqs, self.device, self.host, self.writebacks,
-                                                  self.block_size, req_ids, out, published)
+                                                  self.block_size, req_ids, out, published, self.runs)
       self._queue_host_published(published)
     else:
       done, moved, mirrors = swap.swap_out_many(self.seqs, self.device, self.host, self.writebacks,
@@ -493,7 +494,7 @@ class BlockManager:
     req_ids = self._batch(req_ids, True)
     if self._sharing:
       tables, mirrors, readopted = swap.swap_in_shared(self.seqs, self.device, self.block_size, req_ids,
-                                                       num_new_tokens, out)
+                                                       num_new_tokens, out, self.runs)
       self.readopted_blocks += readopted
     else:
       tables, mirrors = swap.swap_in_many(self.seqs, self.device, self.block_size, req_ids, num_new_tokens, out)
@@ -528,7 +529,11 @@ class BlockManager:
       self._ncached -= 1
     if not s.on_host:
       self._mirrors -= s.nhost
-      self.device.release(s.dev[::-1])
+      dev = s.dev
+      if s.run is not None:  # the run keeps its blocks for its other members, or passes them to this last one
+        dev = dev[shared_run.leave(self.runs, s.run):]
+        s.run = None
+      self.device.release(dev[::-1])
     if s.nhost == len(s.host):
       self.host.release(s.host[::-1])
     elif s.nhost:
@@ -592,14 +597,23 @@ class BlockManager:
                        f"({len(hashes)} hashes)")
     dev_pool = self.device
     total = blocks_for(total_tokens, bs)
+    run = None
     if device_hits:
-      hit_dev = dev_pool.lookup_many(hashes[:device_hits])
-      if None in hit_dev:
-        raise ValueError(f"allocate_prefix({req_id!r}): a device hit is not published (stale lookup_prefix)")
-      revive = len(dev_pool.evictable.keys() & hit_dev)  # re-adopting an evictable block takes a free one
-      if total - device_hits + revive > dev_pool.num_free:
-        return False
-      dev_pool.share_many(hit_dev)
+      run = self.runs.get(hashes[device_hits - 1])  # a live run of exactly these blocks: join it (kv/shared_run.py)
+      if run is not None:
+        if total - device_hits > dev_pool.num_free:
+          return False
+        run.members += 1
+        hit_dev = run.blocks
+      else:
+        hit_dev = dev_pool.lookup_many(hashes[:device_hits])
+        if None in hit_dev:
+          raise ValueError(f"allocate_prefix({req_id!r}): a device hit is not published (stale lookup_prefix)")
+        revive = len(dev_pool.evictable.keys() & hit_dev)  # re-adopting an evictable block takes a free one
+        if total - device_hits + revive > dev_pool.num_free:
+          return False
+        dev_pool.share_many(hit_dev)
+        run = shared_run.register(self.runs, hashes[device_hits - 1], hit_dev, 1)
       fresh = dev_pool.take(total - device_hits)
     else:
       fresh = dev_pool.take(total)
@@ -607,10 +621,11 @@ class BlockManager:
         return False
     s = self.seqs[req_id] = SeqBlocks()
     s.hashes = hashes
+    s.run = run
     s.pub_end = device_hits  # (its hits are published)
     self._ncached += 1
     if device_hits:
-      s.dev += array(DEV_IDS, hit_dev)
+      s.dev += run.blocks
     s.dev += fresh
     s.host += no_block_ids(total)
     s.host_tokens += [0] * total
@@ -638,6 +653,11 @@ class BlockManager:
             "device_evictions": d.evictions, "host_cached_blocks": h.num_published,
             "host_evictable_blocks": len(h.evictable), "host_evictions": h.evictions,
             "readopted_blocks": self.readopted_blocks}
+
+  def device_references(self, block: int) -> int:
+    """Requests holding owned device ``block``, each member of a shared run holding it counted (the pool counts the
+    run once). O(live runs); for tests and debug."""
+    return shared_run.references(self.runs, self.device, block)
 
   # ---------------------------------------------------------------- invariants
   def check_invariants(self) -> None:

@@ -6,11 +6,12 @@ block ids, ``take(n)`` from the head of the free queue (all ``n`` or, when fewer
 (``PADDING_BLOCK``, 0, is outside its range and so never handed out: ``kv/layout.py``); the host pool is
 ``BlockPool(0, num_host_blocks, HOST_IDS)``.
 
-Ownership rule: a block off the free queue is owned by one or more (request, logical block) slots of the block
-manager's per-request columns (``kv/block_seq.py``). One owner is the common case and costs nothing: the count
-is implicit. A block with more owners (prefix caching shares full blocks of equal content) has its extra owners
-in ``refs``. A block is never free while any slot owns it, and its KV is never written while more than one slot
-owns it (only full blocks are shared, and KV is append-only).
+Ownership rule: a block off the free queue is owned by one or more slots: a (request, logical block) of the block
+manager's per-request columns (``kv/block_seq.py``), or a shared run held for several requests (``kv/shared_run.py``:
+one slot however many requests hold it). One owner is the common case and costs nothing: the count is implicit. A block
+with more owners (prefix caching shares full blocks of equal content) has its extra owners in ``refs``. A block is never
+free while any slot owns it, and its KV is never written while more than one slot owns it (only full blocks are shared,
+and KV is append-only).
 
 Cached blocks (prefix caching). A block may be *published* under a content hash (``publish``): ``index`` maps
 the hash to the block and ``hash_of`` the block to its hash; ``lookup(hash)`` finds it. Publishing never
@@ -284,12 +285,13 @@ class BlockPool:
     self.ids.frombytes(idx[~published].tobytes())
     self.evictable.update(dict.fromkeys(idx[published].tolist()))
 
-  def release_shared_run(self, ids: array) -> int:
-    """Gives up one owner of each leading block of ``ids`` that has more than one (a rotated-out request's run of
-    blocks others share: they keep them) and returns how many; stops at the first block with one owner."""
+  def release_shared_run(self, ids: array, start: int = 0) -> int:
+    """Gives up one owner of each block of ``ids`` from ``start`` on that has more than one (a rotated-out request's
+    run of blocks others share: they keep them), stopping at the first block with one owner; returns its index
+    (``len(ids)`` if none)."""
     refs = self.refs
-    k = 0
-    for b in ids:
+    k = start
+    for b in ids[start:] if start else ids:
       r = refs.get(b)
       if r is None:
         break

@@ -41,7 +41,7 @@ class SeqBlocks:
   """One request's logical blocks (parallel columns, indexed by logical block; ``dev`` is empty while the
   request is swapped out, so ``len(host)`` is the block count in both states)."""
   __slots__ = ("dev", "host", "host_tokens", "num_tokens", "num_computed", "on_host", "nwb", "nhost", "hashes",
-               "park_start", "park_end", "pub_end")
+               "park_start", "park_end", "pub_end", "run")
 
   def __init__(self):
     self.dev = array(DEV_IDS)  # device block ids
@@ -64,6 +64,9 @@ class SeqBlocks:
     # generation: ``BlockPool.park_many``'s ``hidden``), those from there on were not and are unpublished. Raised
     # when its blocks are published or it takes published ones; lowered by a swap-in to what it re-adopts.
     self.pub_end = 0
+    # Prefix caching: the ``SharedRun`` (kv/shared_run.py) whose blocks are its first logical blocks, held for it
+    # and the run's other members (it does not own them itself), or None. Always None while swapped out.
+    self.run = None
 
   @property
   def park_count(self) -> int:

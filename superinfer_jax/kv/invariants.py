@@ -18,6 +18,7 @@ def check_invariants(bm) -> None:
   host_owners = [0] * bm.num_host_blocks
   for rid, s in bm.seqs.items():
     _check_seq(bm, rid, s, dev_owners, host_owners)
+  _check_runs(bm, dev_owners)
   _check_counts(bm)
   assert dev_owners[PADDING_BLOCK] == 0, "padding block in use"
   _check_free_lists(bm, dev_owners, host_owners)
@@ -48,8 +49,33 @@ def _check_published(bm) -> None:
       assert key in host_clean.get(h, ()), f"host block {h} published without a clean copy of that hash"
 
 
+def _check_runs(bm, dev_owners: list[int]) -> None:
+  """Shared runs (``kv/shared_run.py``): each registered under its last block's hash with its members, the resident
+  requests whose ``run`` it is, holding its blocks first; its blocks are what looking up their hashes finds; each
+  run counts as one owner of its blocks (into ``dev_owners``; its members' first blocks were not counted)."""
+  members = collections.Counter()
+  for rid, s in bm.seqs.items():
+    run = s.run
+    if run is None:
+      continue
+    assert not s.on_host, f"{rid!r}: swapped out and a member of a shared run"
+    assert bm.runs.get(run.key) is run, f"{rid!r}: its shared run is not registered"
+    r = len(run.blocks)
+    assert s.dev[:r] == run.blocks, f"{rid!r}: first blocks {s.dev[:r].tolist()} are not its run's"
+    assert s.hashes is not None and len(s.hashes) >= r and s.hashes[r - 1] == run.key, (
+        f"{rid!r}: its run's key is not the hash of its block {r - 1}")
+    assert bm.device.lookup_many(s.hashes[:r]) == run.blocks.tolist(), f"{rid!r}: its run's blocks are not found"
+    members[run.key] += 1
+  for key, run in bm.runs.items():
+    assert run.key == key and run.members >= 1, f"run under {key!r}: key {run.key!r}, {run.members} members"
+    assert run.members == members[key], f"run under {key!r} counts {run.members} members, {members[key]} hold it"
+    for b in run.blocks:
+      dev_owners[b] += 1
+
+
 def _check_seq(bm, rid, s, dev_owners: list[int], host_owners: list[int]) -> None:
-  """One request's columns; counts the blocks it owns into ``dev_owners`` / ``host_owners``."""
+  """One request's columns; counts the blocks it owns into ``dev_owners`` / ``host_owners`` (not those its shared
+  run holds for it)."""
   bs = bm.block_size
   n = len(s.host)
   assert len(s.host_tokens) == n, f"{rid!r}: parallel lists differ in length"
@@ -73,7 +99,8 @@ def _check_seq(bm, rid, s, dev_owners: list[int], host_owners: list[int]) -> Non
     else:
       assert d != PADDING_BLOCK, f"{rid!r}[{i}]: padding block allocated"
       assert 1 <= d <= bm.num_device_blocks, f"{rid!r}[{i}]: bad device id {d}"
-      dev_owners[d] += 1
+      if s.run is None or i >= len(s.run.blocks):
+        dev_owners[d] += 1
       full_dirty = (i + 1) * bs <= s.num_computed and ht < bs
       assert full_dirty == ((rid, i) in bm.writebacks), (
           f"{rid!r}[{i}]: full&dirty={full_dirty} but write-back queued={(rid, i) in bm.writebacks}")

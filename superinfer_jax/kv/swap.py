@@ -20,6 +20,7 @@ import bisect
 import itertools
 from array import array
 
+from superinfer_jax.kv import shared_run
 from superinfer_jax.kv.block_pool import BlockPool
 from superinfer_jax.kv.block_seq import (NO_BLOCK, ReqId, SeqBlocks, computed_in_block, dirty_blocks, extend_column,
                                          no_block_ids)
@@ -240,20 +241,22 @@ def swap_in_many(seqs: dict, device: BlockPool, block_size: int, req_ids, num_ne
 # goes through the pools, one request at a time, so reference counts and the cached-block LRU stay exact.
 
 def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: WriteBackQueue, block_size: int,
-                    req_ids, out: PairList, host_published: list) -> tuple[int, int, int]:
+                    req_ids, out: PairList, host_published: list, runs: dict) -> tuple[int, int, int]:
   """``swap_out_many`` with shared blocks: the same moves and copies (the same shortcuts, ``_fast_block``; fresh host
   blocks off the free queue's head, then through ``host.take``, which may evict). Device blocks: a request taking no
-  part in prefix caching (``SeqBlocks.hashes`` None) releases its blocks, tail first (nobody else owns or finds
-  them). One that takes part releases the leading run of its blocks that others share (they keep them) and parks the
-  rest, its alone, as one group (``BlockPool.park_many``, one call for the batch; its published blocks there are not
-  findable while parked; only the group's part before ``SeqBlocks.pub_end``, which holds every published block of
-  the group, moves to a new generation), so that ``swap_in_shared`` re-adopts what is still parked:
-  ``SeqBlocks.park_start`` is the group's first logical block (the group: every logical block from there on),
-  ``park_end`` / ``park_count`` its queue positions. Should a block others share come after its first own block (a
-  hash published first by a third request), its hashed blocks are released one by one (published ones stay
-  findable by content) and only the blocks after them parked. Host copies made clean by the swap-out whose block
-  has a content hash are appended to ``host_published`` as ``(host id, hash, req_id, logical block)`` (the block
-  manager publishes them a step later: ordering). Returns ``(k, pairs, mirrors)`` as ``swap_out_many``."""
+  part in prefix caching (``SeqBlocks.hashes`` None) releases its blocks, tail first (nobody else owns or finds them).
+  One that takes part leaves its ``SharedRun`` (``runs``: the registry, ``kv/shared_run.py``; the run keeps its blocks
+  for the other members, with no per-block work, or the last member inherits them), releases the leading run of its own
+  blocks that others share (they keep them) and parks the rest, its alone, as one group (``BlockPool.park_many``, one
+  call for the batch; its published blocks there are not findable while parked; only the group's part before
+  ``SeqBlocks.pub_end``, which holds every published block of the group, moves to a new generation), so that
+  ``swap_in_shared`` re-adopts what is still parked: ``SeqBlocks.park_start`` is the group's first logical block (the
+  group: every logical block from there on), ``park_end`` / ``park_count`` its queue positions. Should a block others
+  share come after its first own block (a hash published first by a third request), its hashed blocks are released one
+  by one (published ones stay findable by content) and only the blocks after them parked. Host copies made clean by the
+  swap-out whose block has a content hash are appended to ``host_published`` as ``(host id, hash, req_id, logical
+  block)`` (the block manager publishes them a step later: ordering). Returns ``(k, pairs, mirrors)`` as
+  ``swap_out_many``."""
   srcs = out.srcs
   dsts = out.dsts
   start = len(srcs)
@@ -321,8 +324,15 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
       device.release(dev[::-1])
       del dev[:]
     else:
-      k = device.release_shared_run(dev) if refs else 0  # others keep them
-      if refs and k < len(dev) and not refs.keys().isdisjoint(dev[k:]):
+      run = s.run
+      k = 0
+      if run is not None:  # the run keeps its blocks for its other members, or passes them to the last one
+        s.run = None
+        k = shared_run.leave(runs, run)
+      pub_end = min(s.pub_end, len(dev))  # (a block others share is published: only its blocks before pub_end can be)
+      if k < pub_end and dev[k] in refs:
+        k = device.release_shared_run(dev, k)  # others keep them
+      if k < pub_end and refs and not refs.keys().isdisjoint(dev[k:pub_end]):
         nh = min(len(hashes), s.num_computed // bs)  # its full, computed hashed blocks: released one by one
         if nh > k:
           device.release(dev[nh - 1:k - 1 if k else None:-1])  # (tail first)
@@ -348,16 +358,17 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
 
 
 def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_new_tokens: int,
-                   out: PairList) -> tuple[list[array], int, int]:
-  """``swap_in_many`` with shared blocks. A logical block whose KV is still on device (before
-  ``SeqBlocks.park_start``: published under its hash, found by ``lookup_many``; from there: in its parked
-  group, not yet handed out by the free queue) is re-adopted with no copy; the others get a fresh block and an
-  H2D pair. All-or-nothing per request, in order, stopping at the first the device pool cannot take (each
-  counted against what the requests before it take). The batch then moves its blocks at once: re-adopted shared
-  runs, every group unparked, and one take for every fresh block (so no request's fresh blocks come out of a
-  later one's group), handed out in request order. A batch with nothing to re-adopt, on a free queue without holes
-  or evictable blocks, takes ``swap_in_many``'s path (the same moves). Returns ``(tables, mirrors, readopted)``: as
-  ``swap_in_many``, plus the blocks re-adopted."""
+                   out: PairList, runs: dict) -> tuple[list[array], int, int]:
+  """``swap_in_many`` with shared blocks. A logical block whose KV is still on device (before ``SeqBlocks.park_start``:
+  published under its hash, found by ``lookup_many``; from there: in its parked group, not yet handed out by the free
+  queue) is re-adopted with no copy; the others get a fresh block and an H2D pair. A request that finds every block
+  before its group joins the live ``SharedRun`` of exactly those blocks (``runs``, ``kv/shared_run.py``: found with no
+  lookup and no per-block count) or, if there is none, the batch registers one for the requests that found them.
+  All-or-nothing per request, in order, stopping at the first the device pool cannot take (each counted against what the
+  requests before it take). The batch then moves its blocks at once: re-adopted shared runs, every group unparked, and
+  one take for every fresh block (so no request's fresh blocks come out of a later one's group), handed out in request
+  order. A batch with nothing to re-adopt, on a free queue without holes or evictable blocks, takes ``swap_in_many``'s
+  path (the same moves). Returns ``(tables, mirrors, readopted)``: as ``swap_in_many``, plus the blocks re-adopted."""
   bs = block_size
   # Phase 1: which requests fit, in order (nothing moves yet). Most have nothing left on device (their group was
   # handed out, nothing before it): they need their total; the others (``readopt``) are counted one by one.
@@ -373,7 +384,7 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
   up = num_new_tokens + bs - 1
   totals = [(s.num_tokens + up) // bs for s in batch]  # blocks_for (kv/layout.py), inline
   if readopt:
-    fits, found_of, shared = _fit_readopting(batch, totals, readopt, device)
+    fits, found_of, shared = _fit_readopting(batch, totals, readopt, device, runs)
   else:
     fits = bisect.bisect_right(list(itertools.accumulate(totals)), device.num_free)
     found_of = {}
@@ -386,7 +397,7 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
     back = [j for j in readopt if j < fits]
     unparked = dict(zip(back, device.unpark_many([(batch[j].park_end, batch[j].park_count) for j in back],
                                                  [max(0, batch[j].pub_end - batch[j].park_start) for j in back])))
-    for j, (found, hits) in found_of.items():
+    for j, (found, hits, role) in found_of.items():
       fresh_counts[j] -= hits + len(unparked[j])
   fresh_all = device.take(sum(fresh_counts))
   # Phase 3: each request's table, in order. The pairs' columns are extended once at the end, from the pieces
@@ -402,9 +413,14 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
     n = len(ids)
     end = pos + fresh_n
     if found_of and j in found_of:
-      found, hits = found_of[j]
+      found, hits, role = found_of[j]
       back = unparked[j]
       devs = _readopted_table(found, hits, back, ids, fresh_all[pos:end], src_pieces, dst_pieces)
+      if role is not None:  # its found blocks are a run's: a live one, or one the batch registers (shared above)
+        run = role if type(role) is shared_run.SharedRun else (runs.get(role) or
+                                                               shared_run.register(runs, role, found, 0))
+        run.members += 1
+        s.run = run
       readopted += total - fresh_n
       # Published now: what it found by content (before park_start) and its group's part parked hidden that it took
       # back (the queue hands a group out tail first).
@@ -432,18 +448,20 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
   return tables, mirrors, readopted
 
 
-def _fit_readopting(batch: list, totals: list, readopt: list, device: BlockPool) -> tuple:
+def _fit_readopting(batch: list, totals: list, readopt: list, device: BlockPool, runs: dict) -> tuple:
   """``swap_in_shared``'s phase 1 when some requests (indices ``readopt`` of ``batch``, ascending) may re-adopt
-  blocks: the leading blocks they find by content (``lookup_many``; an evictable one needs a free block, once
-  per batch) and their parked groups (parked blocks count as free already). Returns ``(fits,
-  found_of, shared)``: how many requests fit in order, ``{index: (found, hits)}`` for the re-adopting ones among
-  them (``found``: their lookup, a block or None per leading block, a list requests with the same hashes share
-  (read-only); None when nothing was looked up), and the found blocks to share, in order. Changes nothing."""
+  blocks: the leading blocks they find by content (a live ``SharedRun`` of exactly those blocks, else
+  ``lookup_many``; an evictable one needs a free block, once per batch) and their parked groups (parked blocks count
+  as free already). Returns ``(fits, found_of, shared)``: how many requests fit in order, ``{index: (found, hits,
+  role)}`` for the re-adopting ones among them (``found``: the blocks found, a block or None per leading block, read
+  only and shared by the requests of one prefix; None when nothing was looked up; ``role``: the live run it joins,
+  or the key of the run the batch registers for the requests that found every block, or None), and the found
+  blocks to share, in order (a run the batch registers shares its blocks once). Changes nothing."""
   lookup_many = device.lookup_many
   evictable = device.evictable
   free_left = device.num_free
   revived = set()  # evictable blocks an earlier request of the batch re-adopts (one free block each, once)
-  memo = {}  # hashes -> (their lookup, hits)
+  memo = {}  # a prefix's last hash -> (its blocks found, hits, role): requests of one prefix look up once a batch
   found_of = {}
   shared = []
   special = iter(readopt)
@@ -457,19 +475,27 @@ def _fit_readopting(batch: list, totals: list, readopt: list, device: BlockPool)
     nxt = next(special, -1)
     s = batch[j]
     nh = 0 if s.hashes is None else s.park_start  # its blocks before its parked group: found by content
+    role = None
+    first = False
     if nh:
-      # Requests of a shared prefix look up the same hashes: once per batch (nothing changes in this phase).
-      key = s.hashes[:nh]
+      key = s.hashes[nh - 1]  # (a chained hash names its whole prefix)
       looked_up = memo.get(key)
       if looked_up is None:
-        found = lookup_many(key)
-        looked_up = memo[key] = (found, nh - found.count(None))
-      found, hits = looked_up
+        first = True
+        run = runs.get(key)
+        if run is not None:  # owned by the run: published, not evictable, nothing to share
+          looked_up = (run.blocks, nh, run)
+        else:
+          found = lookup_many(s.hashes[:nh])
+          hits = nh - found.count(None)
+          looked_up = (found, hits, key if hits == nh else None)
+        memo[key] = looked_up
+      found, hits, role = looked_up
     else:
       found = None
       hits = 0
     newly = None
-    if hits and evictable and not evictable.keys().isdisjoint(found):
+    if hits and type(role) is not shared_run.SharedRun and evictable and not evictable.keys().isdisjoint(found):
       newly = (evictable.keys() & found) - revived
     need = total - hits + (len(newly) if newly else 0)  # (a parked block counts as free already: it needs one too)
     if need > free_left:
@@ -478,8 +504,11 @@ def _fit_readopting(batch: list, totals: list, readopt: list, device: BlockPool)
     if hits:
       if newly:
         revived |= newly
-      shared += found if hits == nh else [b for b in found if b is not None]
-    found_of[j] = (found, hits)
+      if role is None:  # some not found: it owns those found itself
+        shared += [b for b in found if b is not None]
+      elif first and type(role) is not shared_run.SharedRun:  # the run the batch registers: shared once
+        shared += found
+    found_of[j] = (found, hits, role)
   return len(totals), found_of, shared
 
 

@@ -425,7 +425,8 @@ def test_rotation_keeps_blocks_others_share_and_parks_the_rest():
   assert bm.device.lookup(hashes[1]) == a1 and bm.device.lookup(hashes[2]) is None  # parked: not found
   back = h2d_pairs()
   assert bm.swap_in_to("a", back) == 4 and len(back) == 0  # shared run found again, the group re-adopted
-  assert bm.block_table("a").tolist() == [a0, a1, a2, a3] and bm.device.owners(a1) == 2
+  assert bm.block_table("a").tolist() == [a0, a1, a2, a3] and bm.device_references(a1) == 2
+  assert bm.seqs["a"].run is bm.seqs["b"].run and bm.device.owners(a1) == 1  # a joined b's run: one owner slot
   assert bm.device.lookup(hashes[2]) == a2
   bm.check_invariants()
 
@@ -509,7 +510,8 @@ def test_a_swap_in_batch_counts_a_shared_revival_once():
   assert bm.device.is_evictable(1) and bm.device.num_free == 3
   back = h2d_pairs()
   assert len(bm.swap_in_many(["a", "b"], 0, back)) == 2   # 1 revived once + 2 tails: both fit
-  assert len(back) == 0 and bm.device.owners(1) == 2 and bm.device.num_free == 0
+  assert len(back) == 0 and bm.device_references(1) == 2 and bm.device.num_free == 0
+  assert bm.seqs["a"].run is bm.seqs["b"].run and bm.device.owners(1) == 1  # one run the batch registered for both
   bm.check_invariants()
 
 
@@ -548,3 +550,77 @@ def test_scheduler_loads_or_recomputes_a_host_prefix(rule):
     assert (seq.num_computed_tokens, seq.num_new_tokens, len(plan.swap_in)) == (0, 3 * BS + 1, 0)
     assert plan.prefix_host_hits == 0
   sched.check_invariants()
+
+
+def test_requests_of_one_prefix_hold_it_as_one_shared_run():
+  """b and c find a's first two blocks: they hold them through one run (one owner slot besides a's own, two
+  members). Rotating b out and back in moves no per-block count: the run keeps the blocks for c, and b joins it
+  again with no lookup."""
+  bm = BlockManager(16, 32, BS)
+  toks = list(range(3 * BS + 1))
+  _admit(bm, "a", toks)
+  a0, a1 = bm.block_table("a").tolist()[:2]
+  for rid, tail in (("b", [90, 91]), ("c", [95, 96, 97])):
+    dev, _, _ = _admit(bm, rid, toks[:2 * BS] + tail)
+    assert dev == 2 and bm.block_table(rid).tolist()[:2] == [a0, a1]
+  run = bm.seqs["b"].run
+  assert run is bm.seqs["c"].run and bm.seqs["a"].run is None and list(bm.runs.values()) == [run]
+  assert run.blocks.tolist() == [a0, a1] and run.members == 2
+  assert bm.device.owners(a0) == 2 and bm.device_references(a0) == 3 and bm.device.refs == {a0: 1, a1: 1}
+  bm.take_writebacks()
+  bm.begin_step()
+  assert bm.swap_out_many(["b"], PairList.from_columns([], [])) == (1, 1)
+  assert bm.seqs["b"].run is None and run.members == 1 and bm.device.refs == {a0: 1, a1: 1}  # nothing moved
+  assert bm.seqs["b"].park_start == 2                    # its own blocks parked, the run's kept for c
+  back = h2d_pairs()
+  assert len(bm.swap_in_many(["b"], 0, back)) == 1 and len(back) == 0
+  assert bm.seqs["b"].run is run and run.members == 2 and bm.block_table("b").tolist()[:2] == [a0, a1]
+  bm.check_invariants()
+
+
+def test_the_last_member_of_a_run_inherits_its_blocks():
+  """When the last member leaves, the run is gone and its blocks are that member's own (no pool change): a
+  swap-out then releases those others share and parks the rest; a free releases them tail first."""
+  bm = BlockManager(16, 32, BS)
+  toks = list(range(3 * BS + 1))
+  _admit(bm, "a", toks)
+  a0, a1 = bm.block_table("a").tolist()[:2]
+  _admit(bm, "b", toks[:2 * BS] + [90, 91])
+  _admit(bm, "c", toks[:2 * BS] + [95, 96])
+  bm.take_writebacks()
+  bm.begin_step()
+  bm.free("a")                                            # a's blocks: a0, a1 stay with the run
+  assert not bm.device.refs and bm.device.owners(a0) == 1 and not bm.device.is_evictable(a0)
+  assert bm.swap_out_many(["b"], PairList.from_columns([], [])) == (1, 1)
+  assert bm.seqs["b"].park_start == 2 and len(bm.runs) == 1  # c still holds the run
+  assert bm.swap_out_many(["c"], PairList.from_columns([], [])) == (1, 1)
+  # c was the last member: it inherited a0, a1 (nobody else holds them) and parked them with its tail.
+  assert not bm.runs and bm.seqs["c"].park_start == 0 and _parked(bm, "c").tolist()[:2] == [a0, a1]
+  assert bm.device.lookup(block_hashes(toks, BS)[0]) is None   # parked: not found while c is out
+  back = h2d_pairs()
+  assert len(bm.swap_in_many(["c"], 0, back)) == 1 and len(back) == 0  # c re-adopts its whole group
+  assert bm.block_table("c").tolist()[:2] == [a0, a1] and bm.seqs["c"].run is None
+  bm.free("c")                                            # its own blocks now: tail first into the LRU
+  assert list(bm.device.evictable)[-2:] == [a1, a0]
+  bm.check_invariants()
+
+
+def test_a_swap_in_batch_registers_one_run_for_the_requests_that_found_a_prefix():
+  """Two rotated-out requests find the same leading blocks (nobody holds a run of them): the batch shares them once,
+  for a run both join, and a later request joins it at admission with no lookup."""
+  bm = BlockManager(16, 32, BS)
+  toks = list(range(2 * BS + 1))
+  _admit(bm, "a", toks)
+  _admit(bm, "b", toks[:2 * BS] + [90])
+  _admit(bm, "c", toks[:2 * BS] + [91])
+  bm.take_writebacks()
+  bm.begin_step()
+  assert bm.swap_out_many(["b", "c"], PairList.from_columns([], [])) == (2, 2)
+  assert not bm.runs                                      # c was the run's last member; it released a's blocks
+  back = h2d_pairs()
+  assert len(bm.swap_in_many(["b", "c"], 0, back)) == 2 and len(back) == 0
+  run = bm.seqs["b"].run
+  assert run is bm.seqs["c"].run and run.members == 2 and bm.device.owners(run.blocks[0]) == 2  # a's + the run's
+  dev, _, _ = _admit(bm, "d", toks[:2 * BS] + [92])
+  assert dev == 2 and bm.seqs["d"].run is run and run.members == 3
+  bm.check_invariants()

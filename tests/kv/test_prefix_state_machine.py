@@ -589,7 +589,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert b not in fset, f"referenced {name} block {b} ({n} owners) is on the free queue"
         assert b not in evictable, f"referenced {name} block {b} ({n} owners) is evictable"
         assert b not in pset, f"referenced {name} block {b} ({n} owners) is parked"
-        assert pool.owners(b) == n, f"{name} block {b}: {n} live references, count says {pool.owners(b)}"
+        count = bm.device_references(b) if name == "device" else pool.owners(b)
+        assert count == n, f"{name} block {b}: {n} live references, count says {count}"
       for b in pool.refs:
         assert own[b] > 1, f"{name} block {b} has refs {pool.refs[b]} but {own[b]} live references"
       assert len(own) + len(fset) + len(evictable) == pool.num_blocks, (

@@ -129,3 +129,29 @@ def test_replay_honours_the_host_tier_knob():
     published[host_tier] = (rp.bm.num_cached_requests, rp.bm.host.num_published)
   assert published[True][0] > 0 and published[False][0] > 0
   assert published[True][1] > 0 and published[False][1] == 0
+
+
+PREFIX_FIXTURE = os.path.join(os.path.dirname(FIXTURE), "sched_plan_hashes_prefix.json")
+PREFIX_STEPS = 300
+
+
+def _prefix_scenario(name: str) -> replay.Scenario:
+  """``scenario/prefix_blocks=P``: a replay scenario whose requests share prefixes (4 of them, ``P`` blocks long;
+  0: every request hashed, none shared): prefix caching engaged."""
+  scenario, pb = name.split("/prefix_blocks=")
+  return dataclasses.replace(replay.SCENARIOS[scenario], shared_prefixes=4, prefix_blocks=int(pb))
+
+
+@pytest.mark.parametrize("scenario", ["bench", "small_host", "lookahead"])
+def test_prefix_caching_plans_unchanged(scenario):
+  """Every policy with prefix caching engaged makes the plans pinned in ``sched_plan_hashes_prefix.json``: a change
+  meant to keep every decision (an optimisation of the prefix-caching paths, as shared runs were) leaves them."""
+  with open(PREFIX_FIXTURE) as f:
+    pinned = json.load(f)
+  assert sorted(pinned) == sorted(POLICIES)
+  names = [n for n in pinned["fcfs"] if n.startswith(scenario + "/")]
+  assert len(names) == 3
+  for name in names:
+    sc = _prefix_scenario(name)
+    got = {p: replay.run_scenario(p, sc, PREFIX_STEPS) for p in sorted(POLICIES)}
+    assert got == {p: pinned[p][name] for p in pinned}, name
