@@ -384,21 +384,25 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
   up = num_new_tokens + bs - 1
   totals = [(s.num_tokens + up) // bs for s in batch]  # blocks_for (kv/layout.py), inline
   if readopt:
-    fits, found_of, shared = _fit_readopting(batch, totals, readopt, device, runs)
+    fits, moves, shared = _fit_readopting(batch, totals, readopt, device, runs)
   else:
     fits = bisect.bisect_right(list(itertools.accumulate(totals)), device.num_free)
-    found_of = {}
+    moves = []
   # Phase 2: the batch's blocks move: re-adopted shared runs, its groups unparked, one take for the fresh ones.
   fresh_counts = totals[:fits]
-  unparked = {}
-  if readopt:
+  if moves:
     if shared:
       device.share_many(shared)
-    back = [j for j in readopt if j < fits]
-    unparked = dict(zip(back, device.unpark_many([(batch[j].park_end, batch[j].park_count) for j in back],
-                                                 [max(0, batch[j].pub_end - batch[j].park_start) for j in back])))
-    for j, (found, hits, role) in found_of.items():
-      fresh_counts[j] -= hits + len(unparked[j])
+    groups = []
+    hidden = []
+    for move in moves:
+      s = batch[move[0]]
+      start = s.park_start
+      groups.append((s.park_end, len(s.host) - start))  # (SeqBlocks.park_count, inline)
+      hidden.append(s.pub_end - start if s.pub_end > start else 0)
+    for move, back in zip(moves, device.unpark_many(groups, hidden)):
+      move.append(back)
+      fresh_counts[move[0]] -= move[2] + len(back)
   fresh_all = device.take(sum(fresh_counts))
   # Phase 3: each request's table, in order. The pairs' columns are extended once at the end, from the pieces
   # collected here (as swap_in_many).
@@ -406,25 +410,45 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
   dst_pieces = []
   tables = []
   mirrors = readopted = pos = 0
-  j = -1
-  for s, total, fresh_n in zip(batch, totals, fresh_counts):
-    j += 1
+  moves.append((fits,))  # (a sentinel)
+  special = iter(moves)
+  move = next(special)
+  for j in range(fits):
+    s = batch[j]
+    total = totals[j]
     ids = s.host
     n = len(ids)
-    end = pos + fresh_n
-    if found_of and j in found_of:
-      found, hits, role = found_of[j]
-      back = unparked[j]
-      devs = _readopted_table(found, hits, back, ids, fresh_all[pos:end], src_pieces, dst_pieces)
-      if role is not None:  # its found blocks are a run's: a live one, or one the batch registers (shared above)
-        run = role if type(role) is shared_run.SharedRun else (runs.get(role) or
-                                                               shared_run.register(runs, role, found, 0))
-        run.members += 1
-        s.run = run
-      readopted += total - fresh_n
+    end = pos + fresh_counts[j]
+    if j == move[0]:
+      _, found, hits, role, back = move
+      move = next(special)
+      fresh = fresh_all[pos:end]
+      if found is None:
+        devs = back[:]
+      elif hits == len(found):  # every block before its group found
+        devs = array(DEV_IDS, found)
+        devs += back
+        if role is not None:  # a run's blocks: a live run, or the one the batch registers (shared above)
+          run = role if type(role) is shared_run.SharedRun else (runs.get(role) or
+                                                                 shared_run.register(runs, role, found, 0))
+          run.members += 1
+          s.run = run
+      else:
+        devs = _partly_found_table(found, back, ids, fresh, src_pieces, dst_pieces)
+        fresh = fresh[len(found) - hits:]
+      m = n - len(devs)  # the rest of its blocks: copied into fresh ones
+      if m > 0:
+        src_pieces.append(ids[len(devs):n])
+        dst_pieces.append(fresh[:m])
+      devs += fresh  # (then the growth's blocks: no host copy)
+      readopted += total - end + pos
       # Published now: what it found by content (before park_start) and its group's part parked hidden that it took
       # back (the queue hands a group out tail first).
-      s.pub_end = max(s.park_start if hits else 0, min(s.pub_end, s.park_start + len(back)))
+      start = s.park_start
+      pub_end = s.pub_end
+      if pub_end > start + len(back):
+        pub_end = start + len(back)
+      s.pub_end = start if hits and start > pub_end else pub_end
     else:  # every block copied (as swap_in_many)
       s.pub_end = 0  # fresh blocks only
       devs = fresh_all[pos:end]
@@ -452,54 +476,54 @@ def _fit_readopting(batch: list, totals: list, readopt: list, device: BlockPool,
   """``swap_in_shared``'s phase 1 when some requests (indices ``readopt`` of ``batch``, ascending) may re-adopt
   blocks: the leading blocks they find by content (a live ``SharedRun`` of exactly those blocks, else
   ``lookup_many``; an evictable one needs a free block, once per batch) and their parked groups (parked blocks count
-  as free already). Returns ``(fits, found_of, shared)``: how many requests fit in order, ``{index: (found, hits,
-  role)}`` for the re-adopting ones among them (``found``: the blocks found, a block or None per leading block, read
-  only and shared by the requests of one prefix; None when nothing was looked up; ``role``: the live run it joins,
-  or the key of the run the batch registers for the requests that found every block, or None), and the found
-  blocks to share, in order (a run the batch registers shares its blocks once). Changes nothing."""
+  as free already). Returns ``(fits, moves, shared)``: how many requests fit in order, ``[j, found, hits, role]``
+  for each re-adopting one among them, in order (``j``: its index; ``found``: the blocks found, a block or None per
+  leading block, read only and shared by the requests of one prefix, None when nothing was looked up; ``role``: the
+  live run it joins, or the key of the run the batch registers for the requests that found every block, or None),
+  and the found blocks to share, in order (a run the batch registers shares its blocks once). Changes nothing."""
   lookup_many = device.lookup_many
   evictable = device.evictable
   free_left = device.num_free
   revived = set()  # evictable blocks an earlier request of the batch re-adopts (one free block each, once)
   memo = {}  # a prefix's last hash -> (its blocks found, hits, role): requests of one prefix look up once a batch
-  found_of = {}
+  moves = []
   shared = []
   special = iter(readopt)
   nxt = next(special)
   for j, total in enumerate(totals):
     if j != nxt:
       if total > free_left:
-        return j, found_of, shared
+        return j, moves, shared
       free_left -= total
       continue
     nxt = next(special, -1)
     s = batch[j]
     nh = 0 if s.hashes is None else s.park_start  # its blocks before its parked group: found by content
-    role = None
-    first = False
-    if nh:
-      key = s.hashes[nh - 1]  # (a chained hash names its whole prefix)
-      looked_up = memo.get(key)
-      if looked_up is None:
-        first = True
-        run = runs.get(key)
-        if run is not None:  # owned by the run: published, not evictable, nothing to share
-          looked_up = (run.blocks, nh, run)
-        else:
-          found = lookup_many(s.hashes[:nh])
-          hits = nh - found.count(None)
-          looked_up = (found, hits, key if hits == nh else None)
-        memo[key] = looked_up
-      found, hits, role = looked_up
-    else:
-      found = None
-      hits = 0
+    if not nh:
+      if total > free_left:
+        return j, moves, shared
+      free_left -= total
+      moves.append([j, None, 0, None])
+      continue
+    key = s.hashes[nh - 1]  # (a chained hash names its whole prefix)
+    looked_up = memo.get(key)
+    first = looked_up is None
+    if first:
+      run = runs.get(key)
+      if run is not None:  # owned by the run: published, not evictable, nothing to share
+        looked_up = (run.blocks, nh, run)
+      else:
+        found = lookup_many(s.hashes[:nh])
+        hits = nh - found.count(None)
+        looked_up = (found, hits, key if hits == nh else None)
+      memo[key] = looked_up
+    found, hits, role = looked_up
     newly = None
     if hits and type(role) is not shared_run.SharedRun and evictable and not evictable.keys().isdisjoint(found):
       newly = (evictable.keys() & found) - revived
     need = total - hits + (len(newly) if newly else 0)  # (a parked block counts as free already: it needs one too)
     if need > free_left:
-      return j, found_of, shared
+      return j, moves, shared
     free_left -= need
     if hits:
       if newly:
@@ -508,41 +532,30 @@ def _fit_readopting(batch: list, totals: list, readopt: list, device: BlockPool,
         shared += [b for b in found if b is not None]
       elif first and type(role) is not shared_run.SharedRun:  # the run the batch registers: shared once
         shared += found
-    found_of[j] = (found, hits, role)
-  return len(totals), found_of, shared
+    moves.append([j, found, hits, role])
+  return len(totals), moves, shared
 
 
-def _readopted_table(found: list | None, hits: int, unparked: array | None, ids: array, fresh: array,
-                     src_pieces: list, dst_pieces: list) -> array:
-  """``swap_in_shared``'s table for one request that re-adopts blocks: its looked-up blocks (``found``, None
-  where not found: those get a fresh block and an H2D pair), then what is left of its parked group
-  (``unparked``), then its ``fresh`` blocks (H2D pairs from its host ids ``ids`` for the blocks it has, none for
-  the growth's). Returns the new device table; its pairs' columns are appended to the piece lists, in order."""
-  if found is None:
-    devs = array(DEV_IDS)
-  elif hits == len(found):  # every hashed block found
-    devs = array(DEV_IDS, found)
-  else:
-    devs = array(DEV_IDS, [0]) * len(found)
-    srcs = array(HOST_IDS)
-    dsts = array(DEV_IDS)
-    k = 0
-    for i, b in enumerate(found):
-      if b is None:
-        b = fresh[k]
-        k += 1
-        srcs.append(ids[i])
-        dsts.append(b)
-      devs[i] = b
-    src_pieces.append(srcs)
-    dst_pieces.append(dsts)
-    fresh = fresh[k:]
-  if unparked:
-    devs += unparked
-  n = len(ids)
-  m = n - len(devs)  # the rest of its blocks: copied into fresh ones
-  if m > 0:
-    src_pieces.append(ids[len(devs):n])
-    dst_pieces.append(fresh[:m])
-  devs += fresh  # (then the growth's blocks: no host copy)
+def _partly_found_table(found: list, unparked: array, ids: array, fresh: array, src_pieces: list,
+                        dst_pieces: list) -> array:
+  """``swap_in_shared``'s table for one request that found some of its leading blocks by content (``found``: a
+  block or None per leading block) : those found, a fresh block with an H2D pair (from its host id in ``ids``,
+  appended to the piece lists) for each not found (taken from the head of ``fresh``, in order), then what is left of
+  its parked group (``unparked``). Returns that table (the caller appends the rest)."""
+  devs = array(DEV_IDS, [0]) * len(found)
+  srcs = array(HOST_IDS)
+  dsts = array(DEV_IDS)
+  k = 0
+  for i, b in enumerate(found):
+    if b is None:
+      b = fresh[k]
+      k += 1
+      srcs.append(ids[i])
+      dsts.append(b)
+    devs[i] = b
+  src_pieces.append(srcs)
+  dst_pieces.append(dsts)
+  devs += unparked
   return devs
+
+
