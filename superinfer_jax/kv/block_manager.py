@@ -18,8 +18,9 @@ Each tier is a ``BlockPool`` (``kv/block_pool.py``), ``manager.device`` and ``ma
   depend only on the order of allocations and releases. A request's blocks are taken as one slice and
   released with one ``extend`` (C speed; no per-block Python work on the rotation path, which moves up to
   B_xfer blocks per step each way).
-* Ownership rule: a block off the free queue is owned by one or more (request, logical block) slots; one owner
-  is implicit, extra owners are counted in ``BlockPool.refs``. A block any live request references is never
+* Ownership rule: a block off the free queue is owned by one or more slots, each a (request, logical block) or
+  a shared run held for several requests (``kv/shared_run.py``: one slot however many hold it); one owner is
+  implicit, extra owners are counted in ``BlockPool.refs``. A block any live request references is never
   free and never written while shared (only full blocks are shared; KV is append-only). Prefix caching
   (docs/prefix_caching.md) shares blocks: a published block whose last owner lets go waits in its pool's
   LRU (``evictable``), counted as free and still findable, until a take evicts it.
@@ -57,6 +58,8 @@ count change they return.
 * ``kv/block_pool.py``: ``BlockPool``, one tier's ids and FIFO free queue (take, release); the ownership rule.
 * ``kv/block_seq.py``: ``SeqBlocks``, one request's block columns and token counts; ``NO_BLOCK``; reads over
   the columns (``computed_in_block``, ``dirty_blocks``).
+* ``kv/shared_run.py``: ``SharedRun``, leading device blocks several requests found by content, owned once on
+  behalf of them all (prefix caching; the registry is ``runs``).
 * ``kv/writeback.py``: ``WriteBackQueue`` (the eager write-back queue and its invariant), ``take_writebacks``,
   ``drop_host_mirrors``.
 * ``kv/swap.py``: ``swap_out_many`` (with its shortcuts and ``swap_out_general``), ``swap_in_many``.
@@ -66,8 +69,9 @@ count change they return.
 * ``kv/pairs.py``: ``PairList``, the copy lists.
 
 Public fields, read-only outside ``kv/``: ``device`` and ``host`` (the ``BlockPool``s), ``seqs`` (req_id ->
-``SeqBlocks``), ``writebacks`` (the ``WriteBackQueue``), ``num_device_blocks``, ``num_host_blocks``,
-``block_size``. Tests and debug read them; the scheduler, engine and simulator use the methods below.
+``SeqBlocks``), ``writebacks`` (the ``WriteBackQueue``), ``runs`` (live ``SharedRun``s by their last block's hash),
+``num_device_blocks``, ``num_host_blocks``, ``block_size``. Tests and debug read them; the scheduler, engine and
+simulator use the methods below.
 
 Public API
 ----------
@@ -94,7 +98,8 @@ Prefix caching (requests created by ``allocate_prefix`` take part; docs/prefix_c
   * ``allocate_prefix(req_id, hashes, device_hits, host_loads, total_tokens, out) -> bool``: create a request
     on its cached prefix (device hits shared, host hits loaded by H2D pairs appended to ``out``).
   * ``begin_step()``: publishes the last step's host copies (the scheduler calls it first in each step).
-  * ``num_cached_requests``, ``prefix_cache_stats()``, ``readopted_blocks``.
+  * ``num_cached_requests``, ``prefix_cache_stats()``, ``readopted_blocks``, ``device_references(block)`` (requests
+    holding a device block, each member of a shared run counted; for tests).
   * While any block is published or shared (``BlockPool.shared``) or a cached request lives, rotation and
     write-back take the per-request ``*_shared`` paths of ``swap.py`` / ``writeback.py``: a rotated-out cached
     request releases the leading run of its blocks others share and parks the rest, hashed ones included, on
