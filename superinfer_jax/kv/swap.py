@@ -357,6 +357,9 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   return done, len(srcs) - start, -mirrors
 
 
+_NOTHING_LEFT = array(DEV_IDS)  # what is left of a group the queue has handed out (read only)
+
+
 def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_new_tokens: int,
                    out: PairList, runs: dict) -> tuple[list[array], int, int]:
   """``swap_in_many`` with shared blocks. A logical block whose KV is still on device (before ``SeqBlocks.park_start``:
@@ -395,14 +398,21 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
       device.share_many(shared)
     groups = []
     hidden = []
+    left = []  # the moves whose group the queue has not handed out entirely
     for move in moves:
       s = batch[move[0]]
-      start = s.park_start
-      groups.append((s.park_end, len(s.host) - start))  # (SeqBlocks.park_count, inline)
-      hidden.append(s.pub_end - start if s.pub_end > start else 0)
-    for move, back in zip(moves, device.unpark_many(groups, hidden)):
-      move.append(back)
-      fresh_counts[move[0]] -= move[2] + len(back)
+      if s.park_end > head:
+        start = s.park_start
+        groups.append((s.park_end, len(s.host) - start))  # (SeqBlocks.park_count, inline)
+        hidden.append(s.pub_end - start if s.pub_end > start else 0)
+        left.append(move)
+      else:
+        move.append(_NOTHING_LEFT)
+        fresh_counts[move[0]] -= move[2]
+    if left:
+      for move, back in zip(left, device.unpark_many(groups, hidden)):
+        move.append(back)
+        fresh_counts[move[0]] -= move[2] + len(back)
   fresh_all = device.take(sum(fresh_counts))
   # Phase 3: each request's table, in order. The pairs' columns are extended once at the end, from the pieces
   # collected here (as swap_in_many).
