@@ -329,14 +329,15 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
       if run is not None:  # the run keeps its blocks for its other members, or passes them to the last one
         s.run = None
         k = shared_run.leave(runs, run)
-      pub_end = min(s.pub_end, len(dev))  # (a block others share is published: only its blocks before pub_end can be)
-      if k < pub_end and dev[k] in refs:
-        k = device.release_shared_run(dev, k)  # others keep them
-      if k < pub_end and refs and not refs.keys().isdisjoint(dev[k:pub_end]):
-        nh = min(len(hashes), s.num_computed // bs)  # its full, computed hashed blocks: released one by one
-        if nh > k:
-          device.release(dev[nh - 1:k - 1 if k else None:-1])  # (tail first)
-          k = nh
+      if refs:  # (a block others share is published: only its blocks before pub_end can be)
+        pub_end = min(s.pub_end, len(dev))
+        if k < pub_end and dev[k] in refs:
+          k = device.release_shared_run(dev, k)  # others keep them
+        if k < pub_end and not refs.keys().isdisjoint(dev[k:pub_end]):
+          nh = min(len(hashes), s.num_computed // bs)  # its full, computed hashed blocks: released one by one
+          if nh > k:
+            device.release(dev[nh - 1:k - 1 if k else None:-1])  # (tail first)
+            k = nh
       park_seqs.append(s)
       if k:
         group = dev[k:]
