@@ -29,7 +29,9 @@ default: each switch leaves cold-cache steps in both policies' tails, which bias
 Summary: ``p50_ms`` / ``p99_ms`` / ``baseline_*`` and ``p99_ratio`` / ``mean_ratio`` are over every timed
 step of each policy in the run, pooled over the rounds (``samples`` steps each; with 3 x 497 samples the
 p99 is the 15th largest step, not the 6th of one round, so one noisy burst no longer decides it).
-``p99_ratios`` are the per-round ratios (their spread shows the noise), ``median_round_p99_ratio`` their
+``running_ratio`` is the policy's mean number of running requests a step over the baseline's (the work a step
+schedules: above 1 where prefix caching's hits shorten prefills and more requests run). ``p99_ratios`` are the
+per-round ratios (their spread shows the noise), ``median_round_p99_ratio`` their
 median, and ``best_p99_ratio`` the ratio of the lowest per-round p99 of each policy (it compares whichever
 round of each policy was luckiest). ``plan_hash`` is the
 SHA-256 of every plan of the run (``sched/replay.py``): equal hashes before and after a change mean
@@ -247,6 +249,7 @@ def compare(policy: str, baseline: str, repeats: int, seed: int) -> tuple[list, 
   p99 = {p: 1e3 * _p99(v) for p, v in pooled.items()}
   mean = {p: 1e3 * sum(v) / len(v) for p, v in pooled.items()}
   best = {p: min(r["p99_ms"] for r in rows if r["policy"] == p) for p in (policy, baseline)}
+  running = {p: sum(r["mean_running"] for r in rows if r["policy"] == p) for p in (policy, baseline)}
   summary = {
       "policy": policy, "baseline": baseline, "num_requests": F.num_requests, "repeats": repeats,
       "chunk": F.chunk, "samples": len(pooled[policy]),
@@ -255,6 +258,7 @@ def compare(policy: str, baseline: str, repeats: int, seed: int) -> tuple[list, 
       "baseline_p99_ms": round(p99[baseline], 4),
       "p99_ratio": round(p99[policy] / p99[baseline], 3),
       "mean_ratio": round(mean[policy] / mean[baseline], 3),
+      "running_ratio": round(running[policy] / running[baseline], 3),
       "p99_ratios": ratios,
       "median_round_p99_ratio": sorted(ratios)[len(ratios) // 2],
       "best_p99_ratio": round(best[policy] / best[baseline], 3),

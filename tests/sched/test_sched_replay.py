@@ -89,6 +89,8 @@ def test_bench_scheduler_times_both_policies_and_reports_the_ratio():
   worst = {p: max(r["p99_ms"] for r in rows[:-1] if r["policy"] == p) for p in ("rotasched", "fcfs")}
   assert summary["p99_ms"] == worst["rotasched"] and summary["baseline_p99_ms"] == worst["fcfs"]
   assert summary["median_round_p99_ratio"] in summary["p99_ratios"]
+  running = {p: sum(r["mean_running"] for r in rows[:-1] if r["policy"] == p) for p in ("rotasched", "fcfs")}
+  assert summary["running_ratio"] == round(running["rotasched"] / running["fcfs"], 3) > 0
   assert summary["machine"] == machine_description()  # the ratio depends on the box: the row says which
   # the same seed replays the same plans (the plan hash is of the workload, not of the timing)
   again = replay.Replay("rotasched", replay.Scenario(
