@@ -592,7 +592,8 @@ class BlockManager:
     ``(device_hits + host_loads) * block_size``, which must be < ``total_tokens``. The request takes part in
     prefix caching from now on (its blocks are published as they fill). All-or-nothing: False (nothing
     changed) if the device pool lacks blocks. ``lookup_prefix`` gives hits that are valid until the next
-    mutation."""
+    mutation. ``hashes`` must be chained (``kv/prefix_hash.py``: an equal hash at index i means equal blocks 0..i):
+    a live shared run of the hit blocks is found by the last hit's hash alone (``kv/shared_run.py``)."""
     if req_id in self.seqs:
       raise ValueError(f"allocate_prefix: request {req_id!r} exists")
     bs = self.block_size

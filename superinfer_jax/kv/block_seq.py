@@ -53,7 +53,8 @@ class SeqBlocks:
     self.nwb = 0  # entries of this request in the write-back queue
     self.nhost = 0  # host ids in ``host`` (not NO_BLOCK); avoids scanning ``host`` on the hot paths
     # Content hashes of its full prompt blocks (``kv/prefix_hash.py``), or None: the request takes no part in
-    # prefix caching (nothing of it is published, looked up or re-adopted).
+    # prefix caching (nothing of it is published, looked up or re-adopted). Chained: equal hashes at index i mean
+    # equal blocks 0..i (shared runs are found by their last block's hash alone, ``kv/shared_run.py``).
     self.hashes: tuple | None = None
     # Swapped out with prefix caching (kv/swap.py): its first logical block parked, and where its parked group
     # (``park_count`` blocks) ends on the device free queue (``BlockPool.park``); stale while resident.
