@@ -550,7 +550,7 @@ def _fit_readopting(batch: list, totals: list, readopt: list, device: BlockPool,
 def _partly_found_table(found: list, unparked: array, ids: array, fresh: array, src_pieces: list,
                         dst_pieces: list) -> array:
   """``swap_in_shared``'s table for one request that found some of its leading blocks by content (``found``: a
-  block or None per leading block) : those found, a fresh block with an H2D pair (from its host id in ``ids``,
+  block or None per leading block): those found, a fresh block with an H2D pair (from its host id in ``ids``,
   appended to the piece lists) for each not found (taken from the head of ``fresh``, in order), then what is left of
   its parked group (``unparked``). Returns that table (the caller appends the rest)."""
   devs = array(DEV_IDS, [0]) * len(found)
