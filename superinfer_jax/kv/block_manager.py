@@ -605,7 +605,8 @@ class BlockManager:
     total = blocks_for(total_tokens, bs)
     run = None
     if device_hits:
-      run = self.runs.get(hashes[device_hits - 1])  # a live run of exactly these blocks: join it (kv/shared_run.py)
+      key = hashes[device_hits - 1]
+      run = self.runs.get(key)  # a live run of exactly these blocks: join it (kv/shared_run.py)
       if run is not None:
         if total - device_hits > dev_pool.num_free:
           return False
@@ -619,7 +620,7 @@ class BlockManager:
         if total - device_hits + revive > dev_pool.num_free:
           return False
         dev_pool.share_many(hit_dev)
-        run = shared_run.register(self.runs, hashes[device_hits - 1], hit_dev, 1)
+        run = shared_run.register(self.runs, key, hit_dev, 1)
       fresh = dev_pool.take(total - device_hits)
     else:
       fresh = dev_pool.take(total)

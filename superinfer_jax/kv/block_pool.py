@@ -305,10 +305,9 @@ class BlockPool:
   # ------------------------------------------------------------------------------------------ cached blocks
   def lookup(self, key: int) -> int | None:
     """The block published under ``key``, or None."""
-    if self._pending_park or self._pending_unpark:
-      self._apply_generations()
-    b = self.index[key & self.index_mask].get(key)
-    if b is None or self.pubgen[b] != self.gen[b]:
+    index, mask, gen, pubgen = self._read_state()
+    b = index[key & mask].get(key)
+    if b is None or pubgen[b] != gen[b]:
       return None
     return b
 

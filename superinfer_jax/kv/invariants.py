@@ -134,6 +134,7 @@ def _check_free_lists(bm, dev_owners: list[int], host_owners: list[int]) -> None
     if name == "device":
       parked = []
       for rid, s in bm.seqs.items():
+        assert 0 <= s.pub_end <= len(s.host), f"{rid!r}: pub_end {s.pub_end} outside its {len(s.host)} blocks"
         if not s.on_host:
           assert not any(map(pool.published, s.dev[s.pub_end:])), f"{rid!r} owns published blocks past pub_end"
         if s.on_host and s.hashes is not None:

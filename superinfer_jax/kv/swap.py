@@ -330,7 +330,7 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
         s.run = None
         k = shared_run.leave(runs, run)
       if refs:  # (a block others share is published: only its blocks before pub_end can be)
-        pub_end = min(s.pub_end, len(dev))
+        pub_end = s.pub_end
         if k < pub_end and dev[k] in refs:
           k = device.release_shared_run(dev, k)  # others keep them
         if k < pub_end and not refs.keys().isdisjoint(dev[k:pub_end]):
@@ -403,9 +403,8 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
     for move in moves:
       s = batch[move[0]]
       if s.park_end > head:
-        start = s.park_start
-        groups.append((s.park_end, len(s.host) - start))  # (SeqBlocks.park_count, inline)
-        hidden.append(s.pub_end - start if s.pub_end > start else 0)
+        groups.append((s.park_end, s.park_count))
+        hidden.append(max(0, s.pub_end - s.park_start))
         left.append(move)
       else:
         move.append(_NOTHING_LEFT)
