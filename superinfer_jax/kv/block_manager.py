@@ -206,7 +206,7 @@ class BlockManager:
     self._mirrors = 0  # host blocks held by resident requests (clean or stale mirrors)
     self.host_prefix_cache = host_prefix_cache
     self._ncached = 0  # live requests taking part in prefix caching (SeqBlocks.hashes not None)
-    # Host copies of content-hashed blocks made in the current step, (host id, hash, req_id, logical block):
+    # Host copies of content-hashed blocks made in the current step, (host id, req_id, logical block):
     # published by the next begin_step, once their D2H copies are ordered before any H2D copy that reads them.
     self._host_published: list = []
     self.readopted_blocks = 0  # device blocks a swap-in re-adopted with no copy (a request's own re-hits)
@@ -367,7 +367,7 @@ class BlockManager:
     """Publishes logical blocks ``first..end-1`` of ``s`` (just full and computed) under their content hashes
     (those that have one; a hash published already by another block of the same content stays with it)."""
     hashes = s.hashes
-    if first < len(hashes) and self.device.publish_many(s.dev[first:end], hashes[first:end]):
+    if first < len(hashes) and self.device.publish_chain(s.dev[first:end], hashes, first, s):
       end = min(end, len(hashes))
       if end > s.pub_end:
         s.pub_end = end
@@ -555,17 +555,28 @@ class BlockManager:
     self._host_published = []
     seqs = self.seqs
     bs = self.block_size
+    publish = self.host.publish_chain
+    # Runs of consecutive logical blocks of one request are published as one part of its chain.
+    run_s = None
+    run_start = run_end = 0
     blocks = []
-    keys = []
-    for h, key, req_id, i in pending:
+    for h, req_id, i in pending:
       s = seqs.get(req_id)
-      if s is not None and i < len(s.host) and s.host[i] == h and s.host_tokens[i] == bs:
-        blocks.append(h)
-        keys.append(key)
-    self.host.publish_many(blocks, keys)
+      if s is None or i >= len(s.host) or s.host[i] != h or s.host_tokens[i] != bs:
+        continue
+      if s is not run_s or i != run_end:
+        if blocks:
+          publish(blocks, run_s.hashes, run_start, run_s)
+        run_s = s
+        run_start = i
+        blocks = []
+      blocks.append(h)
+      run_end = i + 1
+    if blocks:
+      publish(blocks, run_s.hashes, run_start, run_s)
 
   def _queue_host_published(self, published: list) -> None:
-    """Queues ``(host id, hash, req_id, logical block)`` entries for ``begin_step`` (host tier on)."""
+    """Queues ``(host id, req_id, logical block)`` entries for ``begin_step`` (host tier on)."""
     if published and self.host_prefix_cache:
       self._host_published += published
 
@@ -613,7 +624,7 @@ class BlockManager:
         run.members += 1
         hit_dev = run.blocks
       else:
-        hit_dev = dev_pool.lookup_many(hashes[:device_hits])
+        hit_dev = dev_pool.lookup_chain(hashes[:device_hits])
         if None in hit_dev:
           raise ValueError(f"allocate_prefix({req_id!r}): a device hit is not published (stale lookup_prefix)")
         revive = len(dev_pool.evictable.keys() & hit_dev)  # re-adopting an evictable block takes a free one
@@ -637,7 +648,7 @@ class BlockManager:
     s.host += no_block_ids(total)
     s.host_tokens += [0] * total
     for i in range(device_hits, hit):
-      h = self.host.lookup(hashes[i])
+      h = self.host.lookup_at(hashes, i)
       self.host.share(h)
       s.host[i] = h
       s.host_tokens[i] = bs

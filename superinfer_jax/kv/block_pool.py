@@ -27,6 +27,18 @@ head), and ``unpark(end, count)`` takes it back (a leading part of ``ids``, in o
 a hole in the queue (``tombs``: absolute position ranges a take skips). A group the queue has passed needs
 nothing done: its owner finds nothing left.
 
+Unindexed chains. Keys are chained content hashes (``kv/prefix_hash.py``): a key names its whole prefix, so a
+lookup always names a chain (its hashes from the root, ``hashes[0]``). ``publish_chain(blocks, hashes, start,
+owner)`` publishes blocks ``start ..`` of a chain without index entries while ``owner`` is the only one publishing
+under that root, in increasing positions, and no lookup has reached them: the publication is kept in ``pending``
+(root -> ``_Chain``). ``lookup_chain`` / ``lookup_at`` / ``published_run`` index a chain (``index_chain``) before
+they read a position it covers, and so does a publish under its root by another owner or at an earlier position;
+the root is then in ``eager_roots`` and publishes under it go to the index. A chain's block keeps its entry while
+``pubser[b]`` is that publication's serial and it was not unpublished since (``pubgen`` without the high bit): the
+entry an index would hold, stale ones included. ``lazy_entries`` counts those entries, ``index_entries`` the
+others. ``lookup`` / ``lookup_many`` / ``publish`` / ``publish_many`` name no chain: lookups scan the chains (tests
+and debug), publishes index everything from then on (``index_all``). Every result equals the eager index's.
+
 Validity (why parking costs no per-block Python). Parking and taking never touch ``index`` / ``hash_of``. A block is
 published iff it was published in its current generation: ``pubgen[b] == gen[b]`` (``pubgen`` is moved out of reach,
 ``UNPUBLISHED`` away, when its entries go: eviction, or another block taking its key while it was hidden). Parking a
@@ -102,6 +114,18 @@ def _untaken(end: int, m: int, head_pos: int) -> int:
   return m if left > m else (left if left > 0 else 0)
 
 
+class _Chain:
+  """An unindexed chain (module docstring): its one publisher (``owner``), the position after the last block it
+  published (``end``) and its publications, ``(blocks, hashes, start, serial)`` each (``blocks`` published under
+  ``hashes[start:start + len(blocks)]``), in order."""
+  __slots__ = ("owner", "end", "records")
+
+  def __init__(self, owner):
+    self.owner = owner
+    self.end = 0
+    self.records: list = []
+
+
 class BlockPool:
   """One tier's blocks and their FIFO free queue (see the module docstring).
 
@@ -117,6 +141,9 @@ class BlockPool:
       (None if it has none). A block is published (under ``hash_of[b]``, and ``index`` maps that key back to it)
       iff ``pubgen[b] == gen[b]`` (``published``); other entries are stale.
     num_published: blocks published (a property: counted again, one numpy pass, after generations moved).
+    pending: root -> ``_Chain``, the unindexed chains, oldest first; lazy_entries: their entries; eager_roots: the
+      roots whose chains are indexed; pubser: ``array('Q')`` by block id, the serial of its last publication;
+      root_of: by block id, the root of its index entry (to forget roots: ``index_chain``).
     evictable: published blocks nobody owns, oldest first (``OrderedDict`` block -> None).
     refs: block -> owners beyond the first (only blocks with more than one owner).
     evictions: published blocks evicted so far (a ``take`` reused them).
@@ -129,7 +156,8 @@ class BlockPool:
                "evictions", "gen", "pubgen", "tombs", "ntomb", "_num_published",
                "_count_stale",
                "_gen_np", "_pubgen_np",
-               "_pending_park", "_pending_unpark")
+               "_pending_park", "_pending_unpark",
+               "pending", "lazy_entries", "eager_roots", "pubser", "root_of", "_serial", "_untracked")
 
   def __init__(self, first_id: int, num_blocks: int, typecode: str):
     if num_blocks < 0:
@@ -160,6 +188,13 @@ class BlockPool:
     self._pending_unpark: list = []
     self.tombs: list[list[int]] = []
     self.ntomb = 0
+    self.pending: collections.OrderedDict[int, _Chain] = collections.OrderedDict()
+    self.lazy_entries = 0
+    self.eager_roots: set[int] = set()
+    self.pubser = array("Q", bytes(8 * size))
+    self.root_of: list = [None] * size
+    self._serial = 0
+    self._untracked = False
 
   @property
   def num_free(self) -> int:
@@ -170,7 +205,7 @@ class BlockPool:
   def shared(self) -> bool:
     """Some block is published or has more than one owner, or the queue has holes (the direct ``ids`` paths are
     off)."""
-    return bool(self.index_entries) or bool(self.refs) or bool(self.ntomb)
+    return bool(self.index_entries or self.lazy_entries) or bool(self.refs) or bool(self.ntomb)
 
   def usage(self) -> float:
     """Used fraction in [0, 1]; an empty pool counts as full (1.0)."""
@@ -244,7 +279,7 @@ class BlockPool:
     tail, or, when published, to the tail of ``evictable`` (so a caller releasing a request's blocks tail
     first has its tail evicted first). One copy when nothing is shared (an ``array`` of the pool's typecode).
     The caller must own each id (once per occurrence)."""
-    if not (self.index_entries or self.refs):
+    if not (self.index_entries or self.lazy_entries or self.refs):
       self.ids += ids if type(ids) is array else array(self.ids.typecode, ids)
       return
     refs = self.refs
@@ -304,22 +339,59 @@ class BlockPool:
 
   # ------------------------------------------------------------------------------------------ cached blocks
   def lookup(self, key: int) -> int | None:
-    """The block published under ``key``, or None."""
+    """The block published under ``key``, or None. A key of an unindexed chain is found by a scan of the chains
+    (tests and debug; the scheduler's paths name the chain: ``lookup_chain``, ``lookup_at``, ``published_run``)."""
     index, mask, gen, pubgen = self._read_state()
     b = index[key & mask].get(key)
+    if b is None and self.pending:
+      b = self._scan_pending(key)
     if b is None or pubgen[b] != gen[b]:
       return None
     return b
 
   def lookup_many(self, keys) -> list:
     """``lookup`` of each of ``keys``, in order (a list of blocks or None)."""
+    if self.pending:
+      return [self.lookup(key) for key in keys]
     index, mask, gen, pubgen = self._read_state()
     return [b if (b := index[key & mask].get(key)) is not None and pubgen[b] == gen[b] else None
             for key in keys]
 
+  def lookup_chain(self, keys) -> list:
+    """``lookup_many`` of a chain's leading keys (``keys[0]`` its root, ``kv/prefix_hash.py``): the chain is indexed
+    first if it is not (``index_chain``)."""
+    if keys and self.pending and keys[0] in self.pending:
+      self.index_chain(keys[0])
+    index, mask, gen, pubgen = self._read_state()
+    return [b if (b := index[key & mask].get(key)) is not None and pubgen[b] == gen[b] else None
+            for key in keys]
+
+  def lookup_at(self, hashes, i: int) -> int | None:
+    """``lookup(hashes[i])`` for a chain ``hashes`` (``hashes[0]`` its root): an unindexed chain of that root that
+    covers position ``i`` is indexed first."""
+    if self.pending:
+      chain = self.pending.get(hashes[0])
+      if chain is not None:
+        if i >= chain.end:
+          return None  # (an unindexed root has no index entries)
+        self.index_chain(hashes[0])
+    key = hashes[i]
+    index, mask, gen, pubgen = self._read_state()
+    b = index[key & mask].get(key)
+    if b is None or pubgen[b] != gen[b]:
+      return None
+    return b
+
   def published_run(self, keys, start: int, stop: int) -> int:
-    """The end of the run of published keys from ``start``: the first ``i`` in ``start .. stop - 1`` such that
-    ``keys[i]`` is not published, else ``max(start, stop)``."""
+    """The end of the run of published keys of chain ``keys`` (``keys[0]`` its root) from ``start``: the first ``i``
+    in ``start .. stop - 1`` such that ``keys[i]`` is not published, else ``max(start, stop)``. An unindexed chain
+    of that root that covers ``start`` is indexed first."""
+    if start < stop and self.pending:
+      chain = self.pending.get(keys[0])
+      if chain is not None:
+        if start >= chain.end:
+          return start  # (an unindexed root has no index entries)
+        self.index_chain(keys[0])
     index, mask, gen, pubgen = self._read_state()
     i = start
     while i < stop:
@@ -338,7 +410,7 @@ class BlockPool:
     return self.index, self.index_mask, self.gen, self.pubgen
 
   def published(self, block: int) -> bool:
-    """``block`` is published (under ``hash_of[block]``; module docstring)."""
+    """``block`` is published (under ``hash_of[block]``, or in an unindexed chain; module docstring)."""
     if self._pending_park or self._pending_unpark:
       self._apply_generations()
     return self.pubgen[block] == self.gen[block]
@@ -354,19 +426,93 @@ class BlockPool:
     return self._num_published
 
   def published_items(self) -> dict:
-    """Every published key -> block (a fresh dict; O(entries): for stats, tests and debug)."""
-    return {k: b for shard in self.index for k, b in shard.items() if self.published(b)}
+    """Every published key -> block, indexed or not (a fresh dict; O(entries): for stats, tests and debug)."""
+    out = {k: b for shard in self.index for k, b in shard.items() if self.published(b)}
+    for chain in self.pending.values():
+      for key, b in self._chain_entries(chain):
+        if self.published(b):
+          out[key] = b
+    return out
 
   def publish(self, block: int, key: int) -> bool:
     """Makes owned ``block`` findable under ``key``. False (no change) if ``key`` is published already
-    (another block has that content) or ``block`` is published under another key."""
+    (another block has that content) or ``block`` is published under another key. ``key``'s chain is not
+    named: it is indexed at once, and so is every chain from then on (tests; the scheduler uses
+    ``publish_chain``)."""
     return self.publish_many((block,), (key,)) == 1
 
   def publish_many(self, blocks, keys) -> int:
     """``publish(block, key)`` for each ``block`` of ``blocks`` and ``key`` of ``keys``, in order; returns how many
-    were published."""
+    were published. Indexes every chain, now and from then on (as ``publish``)."""
+    self.index_all()
+    return self._publish_indexed(blocks, keys, None)
+
+  def index_all(self) -> None:
+    """Indexes every unindexed chain, and every chain published from then on (the eager index: same results)."""
+    if not self._untracked:
+      self._untracked = True
+      for root in list(self.pending):
+        self.index_chain(root)
+
+  def publish_chain(self, blocks, hashes, start: int, owner) -> int:
+    """``publish_many(blocks, hashes[start:start + len(blocks)])`` for blocks ``start ..`` of one chain (``hashes``:
+    its content hashes from its root, ``hashes[0]``; ``kv/prefix_hash.py``), published by ``owner`` (an object
+    compared by identity: the request's columns), in order; returns how many were published. Without an index
+    entry while only ``owner`` publishes under that root, in increasing positions, and no lookup has named the
+    root (module docstring, "Unindexed chains"); the pool keeps ``blocks`` and ``hashes`` (neither may change).
+    Same result either way."""
+    n = len(hashes) - start
+    if n <= 0:
+      return 0
+    if n < len(blocks):
+      blocks = blocks[:n]
+    else:
+      n = len(blocks)
+    root = hashes[0]
+    if self._untracked or root in self.eager_roots:
+      return self._publish_indexed(blocks, hashes[start:start + n], root)
+    pending = self.pending
+    chain = pending.get(root)
+    if chain is not None and (chain.owner is not owner or start < chain.end):
+      self.index_chain(root)
+      return self._publish_indexed(blocks, hashes[start:start + n], root)
+    _, _, gen, pubgen = self._read_state()
+    hash_of = self.hash_of
+    pubser = self.pubser
+    self._serial = serial = self._serial + 1
+    published = entries = 0
+    for b in blocks:
+      g = gen[b]
+      p = pubgen[b]
+      if p == g:
+        continue  # published under another key (publish_many's rule)
+      if hash_of[b] is not None:
+        self._drop_entry(b)  # its stale entry of an earlier generation
+        entries += 1
+      elif p >= UNPUBLISHED:  # (else it replaces its own stale entry in an unindexed chain)
+        entries += 1
+      pubgen[b] = g
+      pubser[b] = serial
+      published += 1
+    self.lazy_entries += entries
+    if published:
+      if chain is None:
+        if len(pending) > self.num_blocks:
+          self._prune_chains()
+        chain = pending[root] = _Chain(owner)
+      chain.records.append((blocks, hashes, start, serial))
+      self._num_published += published
+    if chain is not None:
+      chain.end = start + n
+    return published
+
+  def _publish_indexed(self, blocks, keys, root) -> int:
+    """``publish_many``'s rule with index entries (``root``: the keys' chain root, None if unknown)."""
     index, mask, gen, pubgen = self._read_state()
     hash_of = self.hash_of
+    root_of = self.root_of
+    pubser = self.pubser
+    self._serial = serial = self._serial + 1
     n = 0
     entries = self.index_entries
     for block, key in zip(blocks, keys):
@@ -386,13 +532,84 @@ class BlockPool:
         if old_shard.get(old) == block:  # a stale entry of an earlier generation
           del old_shard[old]
           entries -= 1
+      elif old is None and pubgen[block] < UNPUBLISHED:  # a stale entry in an unindexed chain: gone
+        self.lazy_entries -= 1
       shard[key] = block
       hash_of[block] = key
+      root_of[block] = root
       pubgen[block] = gen[block]
+      pubser[block] = serial
       n += 1
     self.index_entries = entries
     self._num_published += n
+    if root is not None:
+      self.eager_roots.add(root)
     return n
+
+  def _drop_entry(self, block: int) -> None:
+    """Removes ``block``'s index entry (``hash_of[block]``, not None), if the index maps that key to it."""
+    key = self.hash_of[block]
+    shard = self.index[key & self.index_mask]
+    if shard.get(key) == block:
+      del shard[key]
+      self.index_entries -= 1
+    self.hash_of[block] = None
+
+  def index_chain(self, root: int) -> None:
+    """Gives the unindexed chain of ``root`` (if any) its index entries: those of its blocks still published, or
+    parked hidden, in the publication that put them there; the root is indexed from then on."""
+    chain = self.pending.pop(root, None)
+    self.eager_roots.add(root)
+    if chain is None:
+      return
+    index, mask, _, _ = self._read_state()
+    hash_of = self.hash_of
+    root_of = self.root_of
+    n = 0
+    for key, b in self._chain_entries(chain):
+      index[key & mask][key] = b
+      hash_of[b] = key
+      root_of[b] = root
+      n += 1
+    self.index_entries += n
+    self.lazy_entries -= n
+    if len(self.eager_roots) > 2 * self.num_blocks + 64:  # roots whose entries all went: forgotten
+      self.eager_roots = {root_of[b] for shard in index for b in shard.values()}
+      self.eager_roots.add(root)
+
+  def _chain_entries(self, chain: "_Chain"):
+    """``(key, block)`` of each block an unindexed chain still holds: its publication is the one that put it there
+    and it was not unpublished since (it may be parked hidden, or handed out while hidden: a stale entry)."""
+    pubgen = self.pubgen  # (unpublished: the high bit set; generation moves never change pubgen)
+    pubser = self.pubser
+    for blocks, hashes, start, serial in chain.records:
+      for b, key in zip(blocks, hashes[start:start + len(blocks)]):
+        if pubser[b] == serial and pubgen[b] < UNPUBLISHED:
+          yield key, b
+
+  def _scan_pending(self, key: int) -> int | None:
+    """The block an unindexed chain holds under ``key``, or None (O(unindexed entries))."""
+    for chain in self.pending.values():
+      for k, b in self._chain_entries(chain):
+        if k == key:
+          return b
+    return None
+
+  def _prune_chains(self) -> None:
+    """Drops the unindexed chains among the two oldest that hold nothing any more (``_chain_entries`` empty),
+    moving the others to the back. Called once per new chain while there are more than ``num_blocks``, so that at
+    most about ``2 * num_blocks`` stay (a live one holds a block: there are at most ``num_blocks`` of those)."""
+    pending = self.pending
+    pubgen = self.pubgen
+    pubser = self.pubser
+    for _ in range(2):
+      if not pending:
+        return
+      root, chain = pending.popitem(last=False)
+      for blocks, _, _, serial in chain.records:
+        if any(pubser[b] == serial and pubgen[b] < UNPUBLISHED for b in blocks):
+          pending[root] = chain  # (live: to the back)
+          break
 
   def _apply_generations(self) -> None:
     """Applies the queued generation moves (at most one kind is queued: ``park`` and ``unpark`` apply the other
@@ -532,15 +749,20 @@ class BlockPool:
     free = self.ids
     pubgen = self.pubgen
     gen = self.gen
+    entries = 0
     for _ in range(n):
       b = evictable.popitem(last=False)[0]
       key = hash_of[b]
-      del index[key & mask][key]
-      hash_of[b] = None
+      if key is not None:  # (None: published in an unindexed chain)
+        del index[key & mask][key]
+        hash_of[b] = None
+        entries += 1
+      else:
+        self.lazy_entries -= 1
       pubgen[b] = gen[b] ^ UNPUBLISHED
       free.append(b)
     self.evictions += n
-    self.index_entries -= n
+    self.index_entries -= entries
     self._num_published -= n
 
   def free_ids(self) -> list[int]:
@@ -573,12 +795,29 @@ class BlockPool:
         assert key & mask == i, f"key {key!r} in index shard {i}"
         assert self.hash_of[b] == key, f"block {b} indexed under {key!r} but hash_of says {self.hash_of[b]!r}"
     assert self.index_entries == sum(map(len, self.index)), "index_entries differs from the index"
+    if not self._untracked:
+      for shard in self.index:
+        for b in shard.values():
+          assert self.root_of[b] in self.eager_roots, f"block {b} indexed under a root not marked indexed"
+    unindexed = {}  # block -> key, held by an unindexed chain
+    for root, chain in self.pending.items():
+      assert root not in self.eager_roots and not self._untracked, "an unindexed chain of an indexed root"
+      for key, b in self._chain_entries(chain):
+        assert b not in unindexed, f"block {b} held by two unindexed chains"
+        assert self.hash_of[b] is None, f"block {b} of an unindexed chain has an index entry"
+        unindexed[b] = key
+    lazy = {b for b in range(lo, hi) if self.hash_of[b] is None and self.pubgen[b] < UNPUBLISHED}
+    assert lazy == set(unindexed), f"blocks with unindexed entries {sorted(lazy)} != held {sorted(unindexed)}"
+    assert self.lazy_entries == len(unindexed), f"lazy_entries {self.lazy_entries} != {len(unindexed)}"
     published = [b for b in range(lo, hi) if self.published(b)]
     assert len(published) == self.num_published, f"num_published {self.num_published} != {len(published)}"
     for b in published:
       key = self.hash_of[b]
-      assert key is not None and self.index[key & mask].get(key) == b, (
+      assert b in unindexed or (key is not None and self.index[key & mask].get(key) == b), (
           f"published block {b}: its entries disagree")
+    keys = [self.hash_of[b] for b in published if b not in unindexed] + [unindexed[b] for b in published
+                                                                        if b in unindexed]
+    assert len(set(keys)) == len(keys), "a key published by two blocks"
     end = base + head
     for t0, t1 in self.tombs:
       assert end <= t0 < t1 <= base + len(ids), f"hole [{t0}, {t1}) outside the queue or overlapping"

@@ -254,7 +254,7 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   group: every logical block from there on), ``park_end`` / ``park_count`` its queue positions. Should a block others
   share come after its first own block (a hash published first by a third request), its hashed blocks are released one
   by one (published ones stay findable by content) and only the blocks after them parked. Host copies made clean by the
-  swap-out whose block has a content hash are appended to ``host_published`` as ``(host id, hash, req_id, logical
+  swap-out whose block has a content hash are appended to ``host_published`` as ``(host id, req_id, logical
   block)`` (the block manager publishes them a step later: ordering). Returns ``(k, pairs, mirrors)`` as
   ``swap_out_many``."""
   srcs = out.srcs
@@ -291,8 +291,7 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
       _mark_swapped(s, host, bs)
       if hashes:
         nh = len(hashes)
-        host_published += [(s.host[j], hashes[j], req_id, j) for j in dirty
-                           if j < nh and (j + 1) * bs <= s.num_computed]
+        host_published += [(s.host[j], req_id, j) for j in dirty if j < nh and (j + 1) * bs <= s.num_computed]
     else:
       if i >= 0:
         ids = s.host
@@ -316,7 +315,7 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
         srcs.append(s.dev[i])
         dsts.append(h)
         if c == bs and hashes and i < len(hashes):
-          host_published.append((h, hashes[i], req_id, i))
+          host_published.append((h, req_id, i))
       s.num_tokens = s.num_computed
       s.on_host = True
     dev = s.dev
@@ -364,7 +363,7 @@ _NOTHING_LEFT = array(DEV_IDS)  # what is left of a group the queue has handed o
 def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_new_tokens: int,
                    out: PairList, runs: dict) -> tuple[list[array], int, int]:
   """``swap_in_many`` with shared blocks. A logical block whose KV is still on device (before ``SeqBlocks.park_start``:
-  published under its hash, found by ``lookup_many``; from there: in its parked group, not yet handed out by the free
+  published under its hash, found by ``lookup_chain``; from there: in its parked group, not yet handed out by the free
   queue) is re-adopted with no copy; the others get a fresh block and an H2D pair. A request that finds every block
   before its group joins the live ``SharedRun`` of exactly those blocks (``runs``, ``kv/shared_run.py``: found with no
   lookup and no per-block count) or, if there is none, the batch registers one for the requests that found them.
@@ -485,13 +484,13 @@ def swap_in_shared(seqs: dict, device: BlockPool, block_size: int, req_ids, num_
 def _fit_readopting(batch: list, totals: list, readopt: list, device: BlockPool, runs: dict) -> tuple:
   """``swap_in_shared``'s phase 1 when some requests (indices ``readopt`` of ``batch``, ascending) may re-adopt
   blocks: the leading blocks they find by content (a live ``SharedRun`` of exactly those blocks, else
-  ``lookup_many``; an evictable one needs a free block, once per batch) and their parked groups (parked blocks count
+  ``lookup_chain``; an evictable one needs a free block, once per batch) and their parked groups (parked blocks count
   as free already). Returns ``(fits, moves, shared)``: how many requests fit in order, ``[j, found, hits, role]``
   for each re-adopting one among them, in order (``j``: its index; ``found``: the blocks found, a block or None per
   leading block, read only and shared by the requests of one prefix, None when nothing was looked up; ``role``: the
   live run it joins, or the key of the run the batch registers for the requests that found every block, or None),
   and the found blocks to share, in order (a run the batch registers shares its blocks once). Changes nothing."""
-  lookup_many = device.lookup_many
+  lookup_chain = device.lookup_chain
   evictable = device.evictable
   free_left = device.num_free
   revived = set()  # evictable blocks an earlier request of the batch re-adopts (one free block each, once)
@@ -523,7 +522,7 @@ def _fit_readopting(batch: list, totals: list, readopt: list, device: BlockPool,
       if run is not None:  # owned by the run: published, not evictable, nothing to share
         looked_up = (run.blocks, nh, run)
       else:
-        found = lookup_many(s.hashes[:nh])
+        found = lookup_chain(s.hashes[:nh])
         hits = nh - found.count(None)
         looked_up = (found, hits, key if hits == nh else None)
       memo[key] = looked_up

@@ -142,7 +142,7 @@ def take_writebacks_shared(queue: WriteBackQueue, seqs: dict, host: BlockPool, b
   """``take_writebacks`` when the host pool has published or shared blocks: the same order and limits, with
   two differences. A queued block whose content hash is published on host already (another request's copy,
   or an evictable one) shares that copy: it is clean at once, with no pair. And each host copy made for a
-  block with a content hash is appended to ``host_published`` as ``(host id, hash, req_id, logical block)``
+  block with a content hash is appended to ``host_published`` as ``(host id, req_id, logical block)``
   (published a step later: ordering). Fresh host blocks come off the free queue's head, then through
   ``host.take`` (evicting the oldest evictable copies) once it runs dry. Returns ``(pairs, mirrors)``: the host
   blocks that became mirrors."""
@@ -155,7 +155,7 @@ def take_writebacks_shared(queue: WriteBackQueue, seqs: dict, host: BlockPool, b
     return out, 0
   bs = block_size
   avail = host.num_free - min_free_host
-  lookup = host.lookup
+  lookup_at = host.lookup_at
   mirrors = 0
   done = []
   # Fresh host blocks are read off the free queue's head and consumed at the end (BlockPool's contract; a host
@@ -167,8 +167,8 @@ def take_writebacks_shared(queue: WriteBackQueue, seqs: dict, host: BlockPool, b
     s = seqs[req_id]
     h = s.host[i]
     hashes = s.hashes
-    hkey = hashes[i] if hashes and i < len(hashes) else None
-    shared = lookup(hkey) if hkey is not None and h == NO_BLOCK else None
+    hashed = hashes is not None and i < len(hashes)
+    shared = lookup_at(hashes, i) if hashed and h == NO_BLOCK else None
     if shared is not None:
       if host.is_evictable(shared):
         if avail <= 0:
@@ -195,8 +195,8 @@ def take_writebacks_shared(queue: WriteBackQueue, seqs: dict, host: BlockPool, b
         mirrors += 1
       srcs.append(s.dev[i])
       dsts.append(h)
-      if hkey is not None:
-        host_published.append((h, hkey, req_id, i))
+      if hashed:
+        host_published.append((h, req_id, i))
     done.append(key)
     s.nwb -= 1
     s.host_tokens[i] = bs
