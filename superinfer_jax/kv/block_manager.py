@@ -206,7 +206,8 @@ class BlockManager:
     self._mirrors = 0  # host blocks held by resident requests (clean or stale mirrors)
     self.host_prefix_cache = host_prefix_cache
     self._ncached = 0  # live requests taking part in prefix caching (SeqBlocks.hashes not None)
-    # Host copies of content-hashed blocks made in the current step, (host id, req_id, logical block):
+    # Host copies of content-hashed blocks made in the current step, (req_id, hashes, first logical block, host ids)
+    # per run of consecutive blocks:
     # published by the next begin_step, once their D2H copies are ordered before any H2D copy that reads them.
     self._host_published: list = []
     self.readopted_blocks = 0  # device blocks a swap-in re-adopted with no copy (a request's own re-hits)
@@ -556,27 +557,20 @@ class BlockManager:
     seqs = self.seqs
     bs = self.block_size
     publish = self.host.publish_chain
-    # Runs of consecutive logical blocks of one request are published as one part of its chain.
-    run_s = None
-    run_start = run_end = 0
-    blocks = []
-    for h, req_id, i in pending:
+    for req_id, hashes, start, hosts in pending:
       s = seqs.get(req_id)
-      if s is None or i >= len(s.host) or s.host[i] != h or s.host_tokens[i] != bs:
+      if s is None:
         continue
-      if s is not run_s or i != run_end:
-        if blocks:
-          publish(blocks, run_s.hashes, run_start, run_s)
-        run_s = s
-        run_start = i
-        blocks = []
-      blocks.append(h)
-      run_end = i + 1
-    if blocks:
-      publish(blocks, run_s.hashes, run_start, run_s)
+      end = start + len(hosts)
+      if end <= len(s.host) and s.host[start:end] == hosts and s.host_tokens[start:end].count(bs) == len(hosts):
+        publish(hosts, hashes, start, s)
+        continue
+      for j, h in enumerate(hosts, start):  # some copies dropped or replaced since: those still held
+        if j < len(s.host) and s.host[j] == h and s.host_tokens[j] == bs:
+          publish(hosts[j - start:j - start + 1], hashes, j, s)
 
   def _queue_host_published(self, published: list) -> None:
-    """Queues ``(host id, req_id, logical block)`` entries for ``begin_step`` (host tier on)."""
+    """Queues ``(req_id, hashes, first logical block, host ids)`` entries for ``begin_step`` (host tier on)."""
     if published and self.host_prefix_cache:
       self._host_published += published
 

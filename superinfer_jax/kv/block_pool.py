@@ -382,6 +382,16 @@ class BlockPool:
       return None
     return b
 
+  def unindexed_end(self, hashes) -> int:
+    """Where lookups of chain ``hashes`` (``hashes[0]`` its root) miss with no work until this pool publishes or
+    indexes again: from its unindexed chain's end, from 0 if nothing under its root was ever published, else -1
+    (only ``lookup_at`` knows)."""
+    root = hashes[0]
+    chain = self.pending.get(root)
+    if chain is not None:
+      return chain.end
+    return -1 if self._untracked or root in self.eager_roots else 0
+
   def published_run(self, keys, start: int, stop: int) -> int:
     """The end of the run of published keys of chain ``keys`` (``keys[0]`` its root) from ``start``: the first ``i``
     in ``start .. stop - 1`` such that ``keys[i]`` is not published, else ``max(start, stop)``. An unindexed chain

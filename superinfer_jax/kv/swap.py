@@ -254,8 +254,8 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   group: every logical block from there on), ``park_end`` / ``park_count`` its queue positions. Should a block others
   share come after its first own block (a hash published first by a third request), its hashed blocks are released one
   by one (published ones stay findable by content) and only the blocks after them parked. Host copies made clean by the
-  swap-out whose block has a content hash are appended to ``host_published`` as ``(host id, req_id, logical
-  block)`` (the block manager publishes them a step later: ordering). Returns ``(k, pairs, mirrors)`` as
+  swap-out whose block has a content hash are recorded in ``host_published`` as ``(req_id, hashes, first logical
+  block, host ids)``, one entry per run of consecutive blocks (the block manager publishes them a step later: ordering). Returns ``(k, pairs, mirrors)`` as
   ``swap_out_many``."""
   srcs = out.srcs
   dsts = out.dsts
@@ -291,7 +291,9 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
       _mark_swapped(s, host, bs)
       if hashes:
         nh = len(hashes)
-        host_published += [(s.host[j], req_id, j) for j in dirty if j < nh and (j + 1) * bs <= s.num_computed]
+        full = [j for j in dirty if j < nh and (j + 1) * bs <= s.num_computed]
+        if full:
+          host_published += _host_runs(req_id, hashes, s.host, full)
     else:
       if i >= 0:
         ids = s.host
@@ -315,7 +317,7 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
         srcs.append(s.dev[i])
         dsts.append(h)
         if c == bs and hashes and i < len(hashes):
-          host_published.append((h, req_id, i))
+          host_published.append((req_id, hashes, i, array(HOST_IDS, (h,))))
       s.num_tokens = s.num_computed
       s.on_host = True
     dev = s.dev
@@ -355,6 +357,19 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
     for s, end in zip(park_seqs, device.park_many(park_groups, hidden)):
       s.park_end = end
   return done, len(srcs) - start, -mirrors
+
+
+def _host_runs(req_id: ReqId, hashes: tuple, host: array, blocks: list) -> list:
+  """``(req_id, hashes, first, host ids)`` for each run of consecutive logical blocks of ``blocks`` (ascending)."""
+  runs = []
+  start = prev = blocks[0]
+  for j in blocks[1:]:
+    if j != prev + 1:
+      runs.append((req_id, hashes, start, host[start:prev + 1]))
+      start = j
+    prev = j
+  runs.append((req_id, hashes, start, host[start:prev + 1]))
+  return runs
 
 
 _NOTHING_LEFT = array(DEV_IDS)  # what is left of a group the queue has handed out (read only)

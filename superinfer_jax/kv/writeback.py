@@ -142,8 +142,8 @@ def take_writebacks_shared(queue: WriteBackQueue, seqs: dict, host: BlockPool, b
   """``take_writebacks`` when the host pool has published or shared blocks: the same order and limits, with
   two differences. A queued block whose content hash is published on host already (another request's copy,
   or an evictable one) shares that copy: it is clean at once, with no pair. And each host copy made for a
-  block with a content hash is appended to ``host_published`` as ``(host id, req_id, logical block)``
-  (published a step later: ordering). Fresh host blocks come off the free queue's head, then through
+  block with a content hash is recorded in ``host_published``, runs of consecutive blocks of one request as one
+  entry ``(req_id, hashes, first logical block, host ids)`` (published a step later: ordering). Fresh host blocks come off the free queue's head, then through
   ``host.take`` (evicting the oldest evictable copies) once it runs dry. Returns ``(pairs, mirrors)``: the host
   blocks that became mirrors."""
   srcs: list[int] = []
@@ -156,6 +156,11 @@ def take_writebacks_shared(queue: WriteBackQueue, seqs: dict, host: BlockPool, b
   bs = block_size
   avail = host.num_free - min_free_host
   lookup_at = host.lookup_at
+  look_s = None  # the request whose chain's lookups miss from miss_from on (-1: look each up)
+  miss_from = -1
+  run_s = None  # the request of the run of host copies host_published's last entry records
+  run_hosts = None
+  run_end = 0
   mirrors = 0
   done = []
   # Fresh host blocks are read off the free queue's head and consumed at the end (BlockPool's contract; a host
@@ -168,7 +173,14 @@ def take_writebacks_shared(queue: WriteBackQueue, seqs: dict, host: BlockPool, b
     h = s.host[i]
     hashes = s.hashes
     hashed = hashes is not None and i < len(hashes)
-    shared = lookup_at(hashes, i) if hashed and h == NO_BLOCK else None
+    shared = None
+    if hashed and h == NO_BLOCK:
+      if s is not look_s:
+        look_s = s
+        miss_from = host.unindexed_end(hashes)
+      if miss_from < 0 or i < miss_from:
+        shared = lookup_at(hashes, i)
+        miss_from = -1  # (it may have indexed the chain: look up from now on)
     if shared is not None:
       if host.is_evictable(shared):
         if avail <= 0:
@@ -196,7 +208,13 @@ def take_writebacks_shared(queue: WriteBackQueue, seqs: dict, host: BlockPool, b
       srcs.append(s.dev[i])
       dsts.append(h)
       if hashed:
-        host_published.append((h, req_id, i))
+        if s is run_s and i == run_end:
+          run_hosts.append(h)
+        else:
+          run_s = s
+          run_hosts = array(HOST_IDS, (h,))
+          host_published.append((req_id, hashes, i, run_hosts))
+        run_end = i + 1
     done.append(key)
     s.nwb -= 1
     s.host_tokens[i] = bs

@@ -35,6 +35,41 @@ def test_a_chain_one_owner_publishes_stays_unindexed_until_a_lookup_names_its_ro
   p.check()
 
 
+def test_unindexed_end_says_where_lookups_miss_with_no_work():
+  p = BlockPool(0, 8, HOST_IDS)
+  owner = object()
+  hashes = _chain(5)
+  assert p.unindexed_end(hashes) == 0                 # nothing under this root yet
+  p.publish_chain(p.take(3), hashes, 0, owner)
+  assert p.unindexed_end(hashes) == 3
+  assert p.lookup_at(hashes, 1) == 1                  # before the end: indexes the chain
+  assert p.unindexed_end(hashes) == -1 and p.index_entries == 3
+
+
+def test_host_copies_are_published_as_runs_and_only_those_still_held():
+  bs = 2
+  bm = BlockManager(16, 16, bs)
+  prompt = list(range(20, 29))                       # 4 full blocks
+  assert bm.allocate_prefix("a", block_hashes(prompt, bs), 0, 0, len(prompt), h2d_pairs())
+  bm.mark_computed("a", len(prompt))
+  assert len(bm.take_writebacks()) == 4
+  assert [(rid, start, hosts.tolist()) for rid, _, start, hosts in bm._host_published] == [("a", 0, [0, 1, 2, 3])]
+  bm.begin_step()
+  assert bm.host.num_published == 4 and bm.host.lazy_entries == 4
+  bm.append_slots("a", 4)
+  bm.mark_computed("a", len(prompt) + 4)             # 2 more full blocks (no hashes: decode tokens)
+  bm.take_writebacks()
+  assert bm._host_published == []                    # blocks without a hash are not recorded
+  b = list(range(40, 47))
+  assert bm.allocate_prefix("b", block_hashes(b, bs), 0, 0, len(b), h2d_pairs())
+  bm.mark_computed("b", len(b))
+  bm.take_writebacks()
+  bm.drop_host_mirrors("b")                          # its copies gone before the next step: none published
+  bm.begin_step()
+  assert bm.host.num_published == 4
+  bm.check_invariants()
+
+
 def test_a_second_publisher_of_a_root_indexes_the_chain_and_keeps_the_first_copy():
   p = BlockPool(1, 8, DEV_IDS)
   a, b = object(), object()
