@@ -361,14 +361,15 @@ class BlockManager:
     end = num_computed_tokens // bs
     if end > first:
       self.writebacks.queue_filled(req_id, s, first, end, bs)
-      if s.hashes:
+      if first < s.nhashes:
         self._publish_device(s, first, end)
 
   def _publish_device(self, s: SeqBlocks, first: int, end: int) -> None:
-    """Publishes logical blocks ``first..end-1`` of ``s`` (just full and computed) under their content hashes
-    (those that have one; a hash published already by another block of the same content stays with it)."""
+    """Publishes logical blocks ``first..end-1`` of ``s`` (just full and computed; ``first < s.nhashes``) under
+    their content hashes (those that have one; a hash published already by another block of the same content stays
+    with it)."""
     hashes = s.hashes
-    if first < len(hashes) and self.device.publish_chain(s.dev[first:end], hashes, first, s):
+    if self.device.publish_chain(s.dev[first:end], hashes, first, s):
       end = min(end, len(hashes))
       if end > s.pub_end:
         s.pub_end = end
@@ -387,7 +388,7 @@ class BlockManager:
       s.num_computed = c
       if not c % bs:  # block c // bs - 1 just filled
         self.writebacks.queue_filled(req_id, s, c // bs - 1, c // bs, bs)
-        if s.hashes:
+        if c // bs <= s.nhashes:
           self._publish_device(s, c // bs - 1, c // bs)
 
   # ---------------------------------------------------------------- write-back (kv/writeback.py)
@@ -633,6 +634,7 @@ class BlockManager:
         return False
     s = self.seqs[req_id] = SeqBlocks()
     s.hashes = hashes
+    s.nhashes = len(hashes)
     s.run = run
     s.pub_end = device_hits  # (its hits are published)
     self._ncached += 1

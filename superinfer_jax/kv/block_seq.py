@@ -41,7 +41,7 @@ class SeqBlocks:
   """One request's logical blocks (parallel columns, indexed by logical block; ``dev`` is empty while the
   request is swapped out, so ``len(host)`` is the block count in both states)."""
   __slots__ = ("dev", "host", "host_tokens", "num_tokens", "num_computed", "on_host", "nwb", "nhost", "hashes",
-               "park_start", "park_end", "pub_end", "run")
+               "nhashes", "park_start", "park_end", "pub_end", "run")
 
   def __init__(self):
     self.dev = array(DEV_IDS)  # device block ids
@@ -56,6 +56,7 @@ class SeqBlocks:
     # prefix caching (nothing of it is published, looked up or re-adopted). Chained: equal hashes at index i mean
     # equal blocks 0..i (shared runs are found by their last block's hash alone, ``kv/shared_run.py``).
     self.hashes: tuple | None = None
+    self.nhashes = -1  # len(hashes), -1 when None: the hot paths test it without reading the (cold) tuple
     # Swapped out with prefix caching (kv/swap.py): its first logical block parked, and where its parked group
     # (``park_count`` blocks) ends on the device free queue (``BlockPool.park``); stale while resident.
     self.park_start = 0

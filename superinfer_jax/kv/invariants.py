@@ -79,6 +79,7 @@ def _check_seq(bm, rid, s, dev_owners: list[int], host_owners: list[int]) -> Non
   bs = bm.block_size
   n = len(s.host)
   assert len(s.host_tokens) == n, f"{rid!r}: parallel lists differ in length"
+  assert s.nhashes == (-1 if s.hashes is None else len(s.hashes)), f"{rid!r}: nhashes {s.nhashes} is not its hashes'"
   if s.on_host:
     assert not s.dev, f"{rid!r}: swapped request holds device blocks {s.dev}"
   else:

@@ -274,7 +274,7 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   for req_id in req_ids:
     s = seqs[req_id]
     nhost = s.nhost
-    hashes = s.hashes
+    nhashes = s.nhashes  # (-1: no part in prefix caching; the hashes tuple is read only when needed: it is cold)
     i = _fast_block(queue, req_id, s, bs)
     if i is None:
       host.consume(hpos - host.head)  # the general path takes host blocks through the pool: settle first
@@ -289,11 +289,10 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
         device.release(dev[n:])  # slots without KV: never published or shared
         del dev[n:]
       _mark_swapped(s, host, bs)
-      if hashes:
-        nh = len(hashes)
-        full = [j for j in dirty if j < nh and (j + 1) * bs <= s.num_computed]
+      if nhashes > 0:
+        full = [j for j in dirty if j < nhashes and (j + 1) * bs <= s.num_computed]
         if full:
-          host_published += _host_runs(req_id, hashes, s.host, full)
+          host_published += _host_runs(req_id, s.hashes, s.host, full)
     else:
       if i >= 0:
         ids = s.host
@@ -316,12 +315,12 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
         c = s.host_tokens[i] = s.num_computed - i * bs
         srcs.append(s.dev[i])
         dsts.append(h)
-        if c == bs and hashes and i < len(hashes):
-          host_published.append((req_id, hashes, i, array(HOST_IDS, (h,))))
+        if c == bs and i < nhashes:
+          host_published.append((req_id, s.hashes, i, array(HOST_IDS, (h,))))
       s.num_tokens = s.num_computed
       s.on_host = True
     dev = s.dev
-    if hashes is None:
+    if nhashes < 0:
       device.release(dev[::-1])
       del dev[:]
     else:
@@ -335,7 +334,7 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
         if k < pub_end and dev[k] in refs:
           k = device.release_shared_run(dev, k)  # others keep them
         if k < pub_end and not refs.keys().isdisjoint(dev[k:pub_end]):
-          nh = min(len(hashes), s.num_computed // bs)  # its full, computed hashed blocks: released one by one
+          nh = min(nhashes, s.num_computed // bs)  # its full, computed hashed blocks: released one by one
           if nh > k:
             device.release(dev[nh - 1:k - 1 if k else None:-1])  # (tail first)
             k = nh
@@ -522,7 +521,7 @@ def _fit_readopting(batch: list, totals: list, readopt: list, device: BlockPool,
       continue
     nxt = next(special, -1)
     s = batch[j]
-    nh = 0 if s.hashes is None else s.park_start  # its blocks before its parked group: found by content
+    nh = s.park_start if s.nhashes >= 0 else 0  # its blocks before its parked group: found by content
     if not nh:
       if total > free_left:
         return j, moves, shared

@@ -171,10 +171,10 @@ def take_writebacks_shared(queue: WriteBackQueue, seqs: dict, host: BlockPool, b
     req_id, i = key
     s = seqs[req_id]
     h = s.host[i]
-    hashes = s.hashes
-    hashed = hashes is not None and i < len(hashes)
+    hashed = i < s.nhashes  # (the hashes tuple itself is read only when needed: it is cold)
     shared = None
     if hashed and h == NO_BLOCK:
+      hashes = s.hashes
       if s is not look_s:
         look_s = s
         miss_from = host.unindexed_end(hashes)
@@ -213,7 +213,7 @@ def take_writebacks_shared(queue: WriteBackQueue, seqs: dict, host: BlockPool, b
         else:
           run_s = s
           run_hosts = array(HOST_IDS, (h,))
-          host_published.append((req_id, hashes, i, run_hosts))
+          host_published.append((req_id, s.hashes, i, run_hosts))
         run_end = i + 1
     done.append(key)
     s.nwb -= 1
