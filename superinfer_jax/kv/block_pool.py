@@ -490,20 +490,24 @@ class BlockPool:
     hash_of = self.hash_of
     pubser = self.pubser
     self._serial = serial = self._serial + 1
-    published = entries = 0
+    skipped = stale = 0  # (the rare cases are counted: most blocks are fresh, published and a new entry each)
     for b in blocks:
       g = gen[b]
       p = pubgen[b]
       if p == g:
-        continue  # published under another key (publish_many's rule)
-      if hash_of[b] is not None:
-        self._drop_entry(b)  # its stale entry of an earlier generation
-        entries += 1
-      elif p >= UNPUBLISHED:  # (else it replaces its own stale entry in an unindexed chain)
-        entries += 1
+        skipped += 1  # published under another key (publish_many's rule)
+        continue
+      if p < UNPUBLISHED:  # its stale entry of an earlier generation goes: indexed, or in an unindexed chain
+        if hash_of[b] is None:
+          stale += 1  # (replaced by this one)
+        else:
+          self._drop_entry(b)
+      elif hash_of[b] is not None:
+        self._drop_entry(b)  # (a key left behind when it was superseded)
       pubgen[b] = g
       pubser[b] = serial
-      published += 1
+    published = n - skipped
+    entries = published - stale
     self.lazy_entries += entries
     if published:
       if chain is None:
