@@ -255,8 +255,8 @@ def swap_out_shared(seqs: dict, device: BlockPool, host: BlockPool, queue: Write
   share come after its first own block (a hash published first by a third request), its hashed blocks are released one
   by one (published ones stay findable by content) and only the blocks after them parked. Host copies made clean by the
   swap-out whose block has a content hash are recorded in ``host_published`` as ``(req_id, hashes, first logical
-  block, host ids)``, one entry per run of consecutive blocks (the block manager publishes them a step later: ordering). Returns ``(k, pairs, mirrors)`` as
-  ``swap_out_many``."""
+  block, host ids)``, one entry per run of consecutive blocks (the block manager publishes them a step later:
+  ordering). Returns ``(k, pairs, mirrors)`` as ``swap_out_many``."""
   srcs = out.srcs
   dsts = out.dsts
   start = len(srcs)

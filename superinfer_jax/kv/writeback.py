@@ -143,8 +143,9 @@ def take_writebacks_shared(queue: WriteBackQueue, seqs: dict, host: BlockPool, b
   two differences. A queued block whose content hash is published on host already (another request's copy,
   or an evictable one) shares that copy: it is clean at once, with no pair. And each host copy made for a
   block with a content hash is recorded in ``host_published``, runs of consecutive blocks of one request as one
-  entry ``(req_id, hashes, first logical block, host ids)`` (published a step later: ordering). Fresh host blocks come off the free queue's head, then through
-  ``host.take`` (evicting the oldest evictable copies) once it runs dry. Returns ``(pairs, mirrors)``: the host
+  entry ``(req_id, hashes, first logical block, host ids)`` (published a step later: ordering). Fresh host blocks
+  come off the free queue's head, then through ``host.take`` (evicting the oldest evictable copies) once it runs
+  dry. Returns ``(pairs, mirrors)``: the host
   blocks that became mirrors."""
   srcs: list[int] = []
   dsts: list[int] = []
