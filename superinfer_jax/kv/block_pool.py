@@ -137,8 +137,8 @@ class BlockPool:
     head: index of the free queue's head in ``ids``; base: the absolute position of ``ids[0]`` (positions count
       every id ever released, so a parked group's place survives compaction).
     index: key (an int) -> block, in shards (a list of ``_num_shards(num_blocks)`` dicts: a key's is
-      ``index[key & index_mask]``); ``index_entries``: their total size; ``hash_of``: a list by block id, its key
-      (None if it has none). A block is published (under ``hash_of[b]``, and ``index`` maps that key back to it)
+      ``index[key & index_mask]``); ``index_entries``: their total size; ``hash_of``: a list by block id, the key of
+      its index entry (None iff it has none: an unindexed chain's blocks have none). A block is published (under ``hash_of[b]``, and ``index`` maps that key back to it)
       iff ``pubgen[b] == gen[b]`` (``published``); other entries are stale.
     num_published: blocks published (a property: counted again, one numpy pass, after generations moved).
     pending: root -> ``_Chain``, the unindexed chains, oldest first; lazy_entries: their entries; eager_roots: the
@@ -489,21 +489,19 @@ class BlockPool:
     _, _, gen, pubgen = self._read_state()
     hash_of = self.hash_of
     pubser = self.pubser
-    self._serial = serial = self._serial + 1
+    serial = self._next_serial()
     skipped = stale = 0  # (the rare cases are counted: most blocks are fresh, published and a new entry each)
+    indexed = self.index_entries  # (none: no block has an index entry, hash_of is all None)
     for b in blocks:
       g = gen[b]
       p = pubgen[b]
       if p == g:
         skipped += 1  # published under another key (publish_many's rule)
         continue
-      if p < UNPUBLISHED:  # its stale entry of an earlier generation goes: indexed, or in an unindexed chain
-        if hash_of[b] is None:
-          stale += 1  # (replaced by this one)
-        else:
-          self._drop_entry(b)
-      elif hash_of[b] is not None:
-        self._drop_entry(b)  # (a key left behind when it was superseded)
+      if indexed and hash_of[b] is not None:
+        self._drop_entry(b)  # its stale entry of an earlier generation
+      elif p < UNPUBLISHED:
+        stale += 1  # its stale entry in an unindexed chain, replaced by this one
       pubgen[b] = g
       pubser[b] = serial
     published = n - skipped
@@ -526,7 +524,7 @@ class BlockPool:
     hash_of = self.hash_of
     root_of = self.root_of
     pubser = self.pubser
-    self._serial = serial = self._serial + 1
+    serial = self._next_serial()
     n = 0
     entries = self.index_entries
     for block, key in zip(blocks, keys):
@@ -540,6 +538,7 @@ class BlockPool:
         continue  # another block has that content
       elif other != block:
         pubgen[other] = gen[other] ^ UNPUBLISHED  # hidden (parked) and superseded: never found under key again
+        hash_of[other] = None  # (its entry is the new block's now)
       old = hash_of[block]
       if old is not None and old != key:  # (its own stale entry under key is overwritten below)
         old_shard = index[old & mask]
@@ -559,6 +558,11 @@ class BlockPool:
     if root is not None:
       self.eager_roots.add(root)
     return n
+
+  def _next_serial(self) -> int:
+    """A publication serial no block holds yet (``pubser`` is 64-bit: they never run out)."""
+    self._serial += 1
+    return self._serial
 
   def _drop_entry(self, block: int) -> None:
     """Removes ``block``'s index entry (``hash_of[block]``, not None), if the index maps that key to it."""
@@ -809,6 +813,8 @@ class BlockPool:
         assert key & mask == i, f"key {key!r} in index shard {i}"
         assert self.hash_of[b] == key, f"block {b} indexed under {key!r} but hash_of says {self.hash_of[b]!r}"
     assert self.index_entries == sum(map(len, self.index)), "index_entries differs from the index"
+    for b, key in enumerate(self.hash_of):
+      assert key is None or self.index[key & mask].get(key) == b, f"block {b}: hash_of {key!r} not its entry"
     if not self._untracked:
       for shard in self.index:
         for b in shard.values():
