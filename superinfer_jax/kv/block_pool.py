@@ -353,28 +353,38 @@ class BlockPool:
     """``lookup`` of each of ``keys``, in order (a list of blocks or None)."""
     if self.pending:
       return [self.lookup(key) for key in keys]
-    index, mask, gen, pubgen = self._read_state()
-    return [b if (b := index[key & mask].get(key)) is not None and pubgen[b] == gen[b] else None
-            for key in keys]
+    return self._lookup_indexed(keys)
 
   def lookup_chain(self, keys) -> list:
     """``lookup_many`` of a chain's leading keys (``keys[0]`` its root, ``kv/prefix_hash.py``): the chain is indexed
     first if it is not (``index_chain``)."""
-    if keys and self.pending and keys[0] in self.pending:
-      self.index_chain(keys[0])
+    if keys and self.pending and not self._index_covering(keys[0], 0):
+      return [None] * len(keys)
+    return self._lookup_indexed(keys)
+
+  def _lookup_indexed(self, keys) -> list:
+    """``lookup_many`` through the index alone."""
     index, mask, gen, pubgen = self._read_state()
     return [b if (b := index[key & mask].get(key)) is not None and pubgen[b] == gen[b] else None
             for key in keys]
 
+  def _index_covering(self, root, pos: int) -> bool:
+    """Readies a lookup of chain ``root``'s position ``pos``: False when it misses with no work (the root's unindexed
+    chain ends at or before ``pos``, and an unindexed root has no index entries); else True, the root's unindexed
+    chain, if any, indexed first."""
+    chain = self.pending.get(root)
+    if chain is None:
+      return True
+    if pos >= chain.end:
+      return False
+    self.index_chain(root)
+    return True
+
   def lookup_at(self, hashes, i: int) -> int | None:
     """``lookup(hashes[i])`` for a chain ``hashes`` (``hashes[0]`` its root): an unindexed chain of that root that
     covers position ``i`` is indexed first."""
-    if self.pending:
-      chain = self.pending.get(hashes[0])
-      if chain is not None:
-        if i >= chain.end:
-          return None  # (an unindexed root has no index entries)
-        self.index_chain(hashes[0])
+    if self.pending and not self._index_covering(hashes[0], i):
+      return None
     key = hashes[i]
     index, mask, gen, pubgen = self._read_state()
     b = index[key & mask].get(key)
@@ -396,12 +406,8 @@ class BlockPool:
     """The end of the run of published keys of chain ``keys`` (``keys[0]`` its root) from ``start``: the first ``i``
     in ``start .. stop - 1`` such that ``keys[i]`` is not published, else ``max(start, stop)``. An unindexed chain
     of that root that covers ``start`` is indexed first."""
-    if start < stop and self.pending:
-      chain = self.pending.get(keys[0])
-      if chain is not None:
-        if start >= chain.end:
-          return start  # (an unindexed root has no index entries)
-        self.index_chain(keys[0])
+    if start < stop and self.pending and not self._index_covering(keys[0], start):
+      return start
     index, mask, gen, pubgen = self._read_state()
     i = start
     while i < stop:
@@ -618,16 +624,12 @@ class BlockPool:
     moving the others to the back. Called once per new chain while there are more than ``num_blocks``, so that at
     most about ``2 * num_blocks`` stay (a live one holds a block: there are at most ``num_blocks`` of those)."""
     pending = self.pending
-    pubgen = self.pubgen
-    pubser = self.pubser
     for _ in range(2):
       if not pending:
         return
       root, chain = pending.popitem(last=False)
-      for blocks, _, _, serial in chain.records:
-        if any(pubser[b] == serial and pubgen[b] < UNPUBLISHED for b in blocks):
-          pending[root] = chain  # (live: to the back)
-          break
+      if next(self._chain_entries(chain), None) is not None:
+        pending[root] = chain  # (live: to the back)
 
   def _apply_generations(self) -> None:
     """Applies the queued generation moves (at most one kind is queued: ``park`` and ``unpark`` apply the other

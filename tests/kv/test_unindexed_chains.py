@@ -17,6 +17,17 @@ def _chain(n: int, first: int = 0) -> tuple:
   return id_block_hashes(range(first, first + n))
 
 
+def _published_chain(num_blocks: int, n: int):
+  """A device pool of ``num_blocks`` whose first ``n`` blocks one owner took and published as a chain's blocks
+  0..n-1: ``(pool, owner, hashes, blocks)``."""
+  p = BlockPool(1, num_blocks, DEV_IDS)
+  owner = object()
+  hashes = _chain(n)
+  blocks = p.take(n)
+  assert p.publish_chain(blocks, hashes, 0, owner) == n
+  return p, owner, hashes, blocks
+
+
 def test_a_chain_one_owner_publishes_stays_unindexed_until_a_lookup_names_its_root():
   p = BlockPool(1, 8, DEV_IDS)
   owner = object()
@@ -86,22 +97,14 @@ def test_a_second_publisher_of_a_root_indexes_the_chain_and_keeps_the_first_copy
 def test_an_owner_publishing_a_position_again_indexes_its_chain():
   """Positions of one owner's chain only grow while unindexed; an earlier one (a recompute) indexes it first, so
   the rule "a key published once" is checked against the index."""
-  p = BlockPool(1, 8, DEV_IDS)
-  owner = object()
-  hashes = _chain(2)
-  first = p.take(2)
-  p.publish_chain(first, hashes, 0, owner)
+  p, owner, hashes, _ = _published_chain(8, 2)
   again = p.take(2)
   assert p.publish_chain(again, hashes, 0, owner) == 0 and p.index_entries == 2
   p.check()
 
 
 def test_a_parked_unindexed_block_is_hidden_then_found_and_never_under_an_old_key():
-  p = BlockPool(1, 4, DEV_IDS)
-  owner = object()
-  hashes = _chain(2)
-  blocks = p.take(2)
-  p.publish_chain(blocks, hashes, 0, owner)
+  p, _, hashes, blocks = _published_chain(4, 2)
   end = p.park(blocks)                               # rotated out: both hidden, both on the free queue
   assert p.lookup(hashes[0]) is None and p.lazy_entries == 2 and not p.published(1)
   back = p.unpark(end, 2)                            # rotated back in before the queue handed them out
@@ -117,17 +120,30 @@ def test_a_parked_unindexed_block_is_hidden_then_found_and_never_under_an_old_ke
 
 
 def test_evicting_unindexed_blocks_counts_and_forgets_them():
-  p = BlockPool(1, 3, DEV_IDS)
-  owner = object()
-  hashes = _chain(3)
-  blocks = p.take(3)
-  p.publish_chain(blocks, hashes, 0, owner)
+  p, _, hashes, blocks = _published_chain(3, 3)
   p.release(blocks[::-1])                            # tail first into the LRU
   assert list(p.evictable) == [3, 2, 1] and p.num_free == 3
   assert p.take(2).tolist() == [3, 2] and p.evictions == 2 and p.lazy_entries == 1
   assert p.lookup_chain(hashes) == [1, None, None]
   p.take(1)
   assert p.evictions == 3 and p.lazy_entries == 0 and p.index_entries == 0 and not p.shared
+  p.check()
+
+
+def test_dead_chains_are_pruned_and_live_ones_kept():
+  """Once there are more unindexed chains than blocks, each new one prunes the dead among the two oldest (nothing of
+  them left: evicted), so their number stays bounded; a live one (its block still owned) is kept."""
+  p = BlockPool(1, 2, DEV_IDS)
+  roots = [_chain(1, first=10 * r) for r in range(12)]
+  held = p.take(1)                                   # block 1: the oldest chain's, owned throughout
+  assert p.publish_chain(held, roots[0], 0, object()) == 1
+  for hashes in roots[1:]:
+    block = p.take(1)                                # block 2 each time: the last chain's copy evicted
+    assert p.publish_chain(block, hashes, 0, object()) == 1
+    p.release(block)                                 # cached: published, in the LRU
+    assert len(p.pending) <= 2 * p.num_blocks
+  assert p.evictions == 10 and p.lazy_entries == 2
+  assert p.lookup_chain(roots[0]) == [1] and p.lookup_chain(roots[-1]) == [2] and p.lookup_chain(roots[1]) == [None]
   p.check()
 
 
